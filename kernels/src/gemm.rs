@@ -1,0 +1,225 @@
+//! Register-tiled micro-kernel `C = (rowscale ⊙ C) + A·B` and the loop that covers a block with it.
+//!
+//! The same kernel computes both products of attention:
+//! * scores  `S[m × n] = Q̂[m × d] · Kᵀ[d × n]` with Kᵀ packed so keys are the SIMD axis;
+//! * output  `O[m × dv] = α ⊙ O + P[m × n] · V[n × dv]` with V packed to a lane multiple, the
+//!   online-softmax rescale α fused into the load of O.
+//!
+//! Register layout of one tile (AVX-512, MR = 6, NV = 4, W = 16): 24 accumulators `c[i][v]`
+//! (6 rows × 64 columns), 4 loads of B per step of the reduction and one broadcast of A:
+//! ```text
+//!            b0    b1    b2    b3        <- B[p, 0..64] (4 zmm)
+//!   a0 ->  c00   c01   c02   c03
+//!   ...                                  (6 rows, A[i, p] broadcast)
+//!   a5 ->  c50   c51   c52   c53
+//! ```
+//! AVX2 and the portable path use MR = 6 / 4, NV = 2 (12 / 8 accumulators of 16 ymm).
+
+use crate::simd::Simd;
+
+/// How a tile treats the existing contents of C.
+#[derive(Clone, Copy)]
+pub(crate) enum Accum {
+    /// `C = A·B`; C is not read (it may hold garbage or NaN).
+    Replace,
+    /// `C = s ⊙ C + A·B` with one scale per row of C, read from this pointer (`m` values).
+    ScaleAdd(*const f32),
+}
+
+/// One MR × (NV·W) tile.
+///
+/// # Safety
+/// `a` is readable at `i*lda + p` and `b` at `p*ldb + [0, NV·W)` for `i < MR`, `p < kc`; `c` is
+/// readable (for `ScaleAdd`) and writable at `i*ldc + [0, NV·W)`; the ISA of `S` is enabled.
+#[inline(always)]
+unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    acc: Accum,
+) {
+    // SAFETY: pointer ranges as promised by the caller (see `# Safety`).
+    unsafe {
+        let mut r = [[S::splat(0.0); NV]; MR];
+        if let Accum::ScaleAdd(s) = acc {
+            for i in 0..MR {
+                let si = S::splat(*s.add(i));
+                for v in 0..NV {
+                    r[i][v] = S::mul(S::load(c.add(i * ldc + v * S::W)), si);
+                }
+            }
+        }
+        for p in 0..kc {
+            let mut bv = [S::splat(0.0); NV];
+            for v in 0..NV {
+                bv[v] = S::load(b.add(p * ldb + v * S::W));
+            }
+            for i in 0..MR {
+                let ai = S::splat(*a.add(i * lda + p));
+                for v in 0..NV {
+                    r[i][v] = S::fma(ai, bv[v], r[i][v]);
+                }
+            }
+        }
+        for i in 0..MR {
+            for v in 0..NV {
+                S::store(c.add(i * ldc + v * S::W), r[i][v]);
+            }
+        }
+    }
+}
+
+/// Columns of one row band: full NV-wide tiles, then one narrower tile for the rest.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn band<S: Simd, const MR: usize, const NV: usize>(
+    nvec: usize,
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    acc: Accum,
+) {
+    let mut v0 = 0;
+    // SAFETY: each tile stays inside the `nvec·W` columns the caller vouched for.
+    unsafe {
+        while v0 + NV <= nvec {
+            let off = v0 * S::W;
+            tile::<S, MR, NV>(kc, a, lda, b.add(off), ldb, c.add(off), ldc, acc);
+            v0 += NV;
+        }
+        let off = v0 * S::W;
+        let (b, c) = (b.add(off), c.add(off));
+        match nvec - v0 {
+            0 => {}
+            1 => tile::<S, MR, 1>(kc, a, lda, b, ldb, c, ldc, acc),
+            2 => tile::<S, MR, 2>(kc, a, lda, b, ldb, c, ldc, acc),
+            3 => tile::<S, MR, 3>(kc, a, lda, b, ldb, c, ldc, acc),
+            _ => unreachable!("NV is at most 4"),
+        }
+    }
+}
+
+/// `C[m × nvec·W] = acc(C) + A[m × kc] · B[kc × nvec·W]`, covered by MR-row bands.
+///
+/// # Safety
+/// As [`tile`], for all `m` rows and `nvec·W` columns; `NV ≤ 4`, `MR ≤ 8`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NV: usize>(
+    m: usize,
+    nvec: usize,
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    acc: Accum,
+) {
+    let shift = |acc: Accum, i: usize| match acc {
+        // SAFETY: the scale pointer covers `m` rows.
+        Accum::ScaleAdd(s) => Accum::ScaleAdd(unsafe { s.add(i) }),
+        Accum::Replace => Accum::Replace,
+    };
+    let mut i = 0;
+    // SAFETY: each band stays inside the `m` rows the caller vouched for.
+    unsafe {
+        while i + MR <= m {
+            band::<S, MR, NV>(nvec, kc, a.add(i * lda), lda, b, ldb, c.add(i * ldc), ldc, shift(acc, i));
+            i += MR;
+        }
+        let (a, c, acc) = (a.add(i * lda), c.add(i * ldc), shift(acc, i));
+        match m - i {
+            0 => {}
+            1 => band::<S, 1, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
+            2 => band::<S, 2, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
+            3 => band::<S, 3, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
+            4 => band::<S, 4, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
+            5 => band::<S, 5, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
+            6 => band::<S, 6, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
+            7 => band::<S, 7, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
+            _ => unreachable!("MR is at most 8"),
+        }
+    }
+}
+
+/// Per-ISA choice of tile shape (the one place where MR and NV are fixed).
+pub(crate) trait Tiles: Simd {
+    /// [`gemm`] with this ISA's tile shape.
+    ///
+    /// # Safety
+    /// As [`gemm`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block(
+        m: usize,
+        nvec: usize,
+        kc: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+        acc: Accum,
+    );
+}
+
+macro_rules! tiles {
+    ($t:ty, $mr:literal, $nv:literal) => {
+        impl Tiles for $t {
+            #[inline(always)]
+            unsafe fn block(
+                m: usize,
+                nvec: usize,
+                kc: usize,
+                a: *const f32,
+                lda: usize,
+                b: *const f32,
+                ldb: usize,
+                c: *mut f32,
+                ldc: usize,
+                acc: Accum,
+            ) {
+                // SAFETY: forwarded contract.
+                unsafe { gemm::<$t, $mr, $nv>(m, nvec, kc, a, lda, b, ldb, c, ldc, acc) }
+            }
+        }
+    };
+}
+
+tiles!(crate::simd::Portable, 4, 2);
+#[cfg(target_arch = "x86_64")]
+tiles!(crate::x86_64::avx2::Avx2, 6, 2);
+#[cfg(target_arch = "x86_64")]
+tiles!(crate::x86_64::avx512::Avx512, 6, 4);
+
+/// [`Tiles::block`] as a free generic function, the form the ISA dispatch instantiates.
+///
+/// # Safety
+/// As [`gemm`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn block<S: Tiles>(
+    m: usize,
+    nvec: usize,
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    acc: Accum,
+) {
+    // SAFETY: forwarded contract.
+    unsafe { S::block(m, nvec, kc, a, lda, b, ldb, c, ldc, acc) }
+}

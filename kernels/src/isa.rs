@@ -1,0 +1,135 @@
+//! Instruction-set selection: detected once, cached, overridable with `ATTNKIT_ISA`.
+
+use core::fmt;
+use core::str::FromStr;
+use std::sync::OnceLock;
+
+/// A SIMD code path. Every kernel entry point takes one explicitly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Isa {
+    /// Portable blocked code (8-wide arrays the compiler vectorises for the baseline target).
+    Scalar,
+    /// x86-64 AVX2 + FMA, 256-bit registers.
+    Avx2,
+    /// x86-64 AVX-512F, 512-bit registers.
+    Avx512,
+}
+
+/// `ATTNKIT_ISA` named a path that is unknown or that this CPU lacks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IsaError {
+    /// The variable's value is not `scalar`, `avx2` or `avx512`.
+    Unknown(String),
+    /// The named path exists but this CPU (or target) cannot run it.
+    Unsupported(Isa),
+}
+
+impl fmt::Display for IsaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IsaError::Unknown(s) => write!(
+                f,
+                "ATTNKIT_ISA={s:?} is not one of scalar, avx2, avx512"
+            ),
+            IsaError::Unsupported(isa) => {
+                write!(f, "ISA {isa} was requested but this CPU does not support it")
+            }
+        }
+    }
+}
+
+impl std::error::Error for IsaError {}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Isa {
+    type Err = IsaError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "scalar" | "portable" => Ok(Isa::Scalar),
+            "avx2" => Ok(Isa::Avx2),
+            "avx512" | "avx512f" => Ok(Isa::Avx512),
+            _ => Err(IsaError::Unknown(s.to_string())),
+        }
+    }
+}
+
+impl Isa {
+    /// Every path this crate knows, slowest first.
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+
+    /// Lower-case name, as `ATTNKIT_ISA` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// Whether this CPU can run the path (queried at run time).
+    pub fn is_supported(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The paths this CPU supports, slowest first (what tests loop over).
+    pub fn available() -> Vec<Isa> {
+        Isa::ALL.into_iter().filter(|i| i.is_supported()).collect()
+    }
+
+    /// The fastest supported path, ignoring `ATTNKIT_ISA`.
+    pub fn best() -> Isa {
+        *Isa::available().last().unwrap_or(&Isa::Scalar)
+    }
+
+    /// The path to use: `ATTNKIT_ISA` if set (an error if unknown or unsupported), else
+    /// [`Isa::best`]. Read once per process and cached.
+    pub fn detect() -> Result<Isa, IsaError> {
+        static CACHE: OnceLock<Result<Isa, IsaError>> = OnceLock::new();
+        CACHE
+            .get_or_init(|| match std::env::var("ATTNKIT_ISA") {
+                Ok(s) if !s.trim().is_empty() => {
+                    let isa: Isa = s.parse()?;
+                    if isa.is_supported() {
+                        Ok(isa)
+                    } else {
+                        Err(IsaError::Unsupported(isa))
+                    }
+                }
+                _ => Ok(Isa::best()),
+            })
+            .clone()
+    }
+
+    /// `Ok(self)` if the CPU supports it, else [`IsaError::Unsupported`].
+    pub fn check(self) -> Result<Isa, IsaError> {
+        if self.is_supported() {
+            Ok(self)
+        } else {
+            Err(IsaError::Unsupported(self))
+        }
+    }
+
+    /// f32 lanes of one register on this path.
+    pub fn lanes(self) -> usize {
+        match self {
+            Isa::Scalar | Isa::Avx2 => 8,
+            Isa::Avx512 => 16,
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Raw-slice SIMD kernels for attention, behind one run-time dispatch point.
+//!
+//! Every entry point takes an explicit [`Isa`]; [`Isa::detect`] picks the best one the CPU has
+//! (or the one `ATTNKIT_ISA` forces). Each kernel has a naive f64 twin in [`reference`], the spec
+//! that tests compare every ISA against. Shapes are not validated here beyond `debug_assert!`s
+//! and the checks each safe function documents: the `attnkit` crate validates user input first.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+#![warn(missing_docs)]
+
+mod flash;
+mod gemm;
+mod isa;
+pub mod reference;
+mod simd;
+#[cfg(target_arch = "x86_64")]
+mod x86_64;
+
+pub use flash::{key_block, scratch_len, CausalOffset, FlashArgs};
+pub use isa::{Isa, IsaError};
+
+use gemm::Accum;
+use simd::Portable;
+
+/// Defines `$name(isa, args…)`, which runs the generic kernel `$gm::$gf::<S>(args…)` with `S` the
+/// vector token of `isa`, inside a function compiled for that ISA (`#[target_feature]` on the
+/// per-ISA entry only; everything below it is `#[inline(always)]`).
+macro_rules! isa_fn {
+    ($name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $gm:ident :: $gf:ident) => {
+        /// # Safety
+        /// `isa.is_supported()` and the contract of the generic kernel.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
+            debug_assert!(isa.is_supported(), "{isa} is not supported on this CPU");
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                // SAFETY: forwarded contract; AVX2+FMA enabled by the caller's check.
+                unsafe { $gm::$gf::<x86_64::avx2::Avx2>($($arg),*) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                // SAFETY: forwarded contract; AVX-512F enabled by the caller's check.
+                unsafe { $gm::$gf::<x86_64::avx512::Avx512>($($arg),*) }
+            }
+            match isa {
+                // SAFETY: the portable path needs no CPU feature; forwarded contract.
+                Isa::Scalar => unsafe { $gm::$gf::<Portable>($($arg),*) },
+                // SAFETY: forwarded contract (`isa.is_supported()`).
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { avx2($($arg),*) },
+                // SAFETY: forwarded contract (`isa.is_supported()`).
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { avx512($($arg),*) },
+                #[cfg(not(target_arch = "x86_64"))]
+                _ => panic!("{isa} is not available on this target"),
+            }
+        }
+    };
+}
+
+isa_fn!(flash_isa(args: &FlashArgs, scratch: &mut [f32]) => flash::forward);
+isa_fn!(exp_scale_isa(x: &mut [f32], m: f32, k: f32) => flash::exp_scale);
+isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, a: *const f32, lda: usize, b: *const f32,
+    ldb: usize, c: *mut f32, ldc: usize, acc: Accum) => gemm::block);
+
+/// Fused attention forward for one block of query rows of one head (see [`FlashArgs`]).
+///
+/// Output row `r` is `softmax_j(scale·q_r·k_j + bias_rj | mask) · V`; a row whose keys are all
+/// masked is written as zeros and its logsumexp as −inf.
+///
+/// # Safety
+/// * `isa.is_supported()`;
+/// * every pointer in `args` is valid for the extents it describes (rows `< m` of Q, O, bias,
+///   mask, lse, weights; rows `< n` of K and V; `d`/`dv` columns, `n` columns of bias, mask and
+///   weights) and the written ranges (O, lse, weights) overlap nothing else that is read or
+///   written concurrently;
+/// * `key_len ≤ n`; `scratch.len() ≥ scratch_len(m, d, dv)`.
+pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
+    assert!(scratch.len() >= scratch_len(args.m, args.d, args.dv), "flash scratch too short");
+    // SAFETY: forwarded contract.
+    unsafe { flash_isa(isa, args, scratch) }
+}
+
+/// Vectorised `x ← 2^x` (see the accuracy note on [`reference::exp2`]): ≤ 3 ulp on
+/// [-126, 127], flush to +0 below -126.5 (so `-inf → 0`), NaN propagates.
+///
+/// # Panics
+/// If `isa` is not supported by this CPU.
+pub fn exp2_slice(isa: Isa, x: &mut [f32]) {
+    assert!(isa.is_supported(), "{isa} is not supported on this CPU");
+    // SAFETY: `exp_scale` handles any length; the ISA is supported (asserted).
+    unsafe { exp_scale_isa(isa, x, 0.0, 1.0) }
+}
+
+/// Numerically stable softmax of one row in place: `x ← exp(x − max) / Σ exp(x − max)`.
+/// A row of all `-inf` (fully masked) becomes all zeros. NaN propagates.
+///
+/// # Panics
+/// If `isa` is not supported by this CPU.
+pub fn softmax_row(isa: Isa, x: &mut [f32]) {
+    assert!(isa.is_supported(), "{isa} is not supported on this CPU");
+    let mut mx = f32::NEG_INFINITY;
+    for &v in x.iter() {
+        if v > mx || v.is_nan() {
+            mx = v;
+        }
+    }
+    if mx == f32::NEG_INFINITY {
+        x.fill(0.0);
+        return;
+    }
+    const LOG2E: f32 = core::f32::consts::LOG2_E;
+    // Subtract before converting to base 2: the difference is exact near the max, where it
+    // matters, whereas `x·log2(e)` would round large logits first.
+    for v in x.iter_mut() {
+        *v = (*v - mx) * LOG2E;
+    }
+    // SAFETY: `exp_scale` handles any length; the ISA is supported (asserted).
+    unsafe { exp_scale_isa(isa, x, 0.0, 1.0) };
+    let sum: f32 = x.iter().sum();
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `C[m × n] = A[m × k] · B[k × n]` (row-major, leading dimensions `lda`, `ldb`, `ldc`) through
+/// the attention micro-kernel: B is packed to a lane multiple, A is read in place. With
+/// `row_scale = Some(s)`, computes `C = s ⊙ C + A·B` (the fused online-softmax rescale).
+///
+/// This is the QKᵀ tile (A = Q, B = Kᵀ) and the P·V tile (A = P, B = V) of the fused kernel,
+/// exposed for tests and benches.
+///
+/// # Panics
+/// If `isa` is unsupported or a slice is too short for the extents.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    row_scale: Option<&[f32]>,
+) {
+    assert!(isa.is_supported(), "{isa} is not supported on this CPU");
+    let need = |rows: usize, ld: usize, cols: usize| if rows == 0 { 0 } else { (rows - 1) * ld + cols };
+    assert!(a.len() >= need(m, lda, k) && (m < 2 || lda >= k), "A too short");
+    assert!(b.len() >= need(k, ldb, n) && (k < 2 || ldb >= n), "B too short");
+    assert!(c.len() >= need(m, ldc, n) && (m < 2 || ldc >= n), "C too short");
+    if let Some(s) = row_scale {
+        assert!(s.len() >= m, "row_scale too short");
+    }
+    if m == 0 || n == 0 {
+        return;
+    }
+    let w = isa.lanes();
+    let np = n.div_ceil(w) * w;
+    let mut bp = vec![0.0f32; k * np];
+    for p in 0..k {
+        bp[p * np..p * np + n].copy_from_slice(&b[p * ldb..p * ldb + n]);
+    }
+    let mut cp = vec![0.0f32; m * np];
+    if row_scale.is_some() {
+        for i in 0..m {
+            cp[i * np..i * np + n].copy_from_slice(&c[i * ldc..i * ldc + n]);
+        }
+    }
+    let acc = match row_scale {
+        Some(s) => Accum::ScaleAdd(s.as_ptr()),
+        None => Accum::Replace,
+    };
+    // An empty A still needs a valid pointer for the (skipped) reduction loop.
+    let a_ptr = if a.is_empty() { [0.0f32].as_ptr() } else { a.as_ptr() };
+    // SAFETY: A, the packed B and the padded C cover the extents asserted above; the ISA is
+    // supported (asserted).
+    unsafe { block_isa(isa, m, np / w, k, a_ptr, lda, bp.as_ptr(), np, cp.as_mut_ptr(), np, acc) };
+    for i in 0..m {
+        c[i * ldc..i * ldc + n].copy_from_slice(&cp[i * np..i * np + n]);
+    }
+}

@@ -1,0 +1,62 @@
+//! Naive f64 twins of the kernels: the specification every ISA path is tested against.
+//! Written for obviousness, not speed.
+
+/// `2^x` in f64 (the spec of [`crate::exp2_slice`]).
+pub fn exp2(x: f64) -> f64 {
+    x.exp2()
+}
+
+/// Stable softmax of one row in f64; a row of all `-inf` gives zeros.
+pub fn softmax_row(x: &[f64]) -> Vec<f64> {
+    let mx = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    if mx == f64::NEG_INFINITY {
+        return vec![0.0; x.len()];
+    }
+    let e: Vec<f64> = x.iter().map(|v| (v - mx).exp()).collect();
+    let s: f64 = e.iter().sum();
+    e.iter().map(|v| v / s).collect()
+}
+
+/// `C[m × n] = A[m × k] · B[k × n]` in f64 (row-major with leading dimensions).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(m: usize, n: usize, k: usize, a: &[f32], lda: usize, b: &[f32], ldb: usize) -> Vec<f64> {
+    let mut c = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            c[i * n + j] = (0..k).map(|p| a[i * lda + p] as f64 * b[p * ldb + j] as f64).sum();
+        }
+    }
+    c
+}
+
+/// One head of attention in f64. `logit(i, j)` returns the scaled and biased score of query `i`
+/// and key `j`, or `None` if the pair is masked. Returns (output `lq × dv`, logsumexp per row,
+/// weights `lq × lk`). Fully masked rows give zero output, zero weights and lse = −inf.
+pub fn attention_head(
+    lq: usize,
+    lk: usize,
+    dv: usize,
+    logit: impl Fn(usize, usize) -> Option<f64>,
+    v: impl Fn(usize, usize) -> f64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let mut out = vec![0.0; lq * dv];
+    let mut lse = vec![f64::NEG_INFINITY; lq];
+    let mut w = vec![0.0; lq * lk];
+    for i in 0..lq {
+        let s: Vec<f64> = (0..lk).map(|j| logit(i, j).unwrap_or(f64::NEG_INFINITY)).collect();
+        let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        if mx == f64::NEG_INFINITY {
+            continue;
+        }
+        let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+        lse[i] = mx + sum.ln();
+        for j in 0..lk {
+            let p = (s[j] - mx).exp() / sum;
+            w[i * lk + j] = p;
+            for c in 0..dv {
+                out[i * dv + c] += p * v(j, c);
+            }
+        }
+    }
+    (out, lse, w)
+}

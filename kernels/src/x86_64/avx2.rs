@@ -1,0 +1,95 @@
+//! AVX2 + FMA: 8 f32 lanes in a `__m256`.
+
+use crate::simd::Simd;
+use core::arch::x86_64::*;
+
+/// Token for the AVX2+FMA path. Only use inside a `#[target_feature(enable = "avx2,fma")]` fn.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx2;
+
+// SAFETY (whole impl): every method is only reached from functions compiled with
+// `target_feature(enable = "avx2,fma")`, entered after `Isa::Avx2.is_supported()`; the pointer
+// methods' callers guarantee 8 valid lanes.
+impl Simd for Avx2 {
+    const W: usize = 8;
+    type V = __m256;
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m256) {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_min_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn round(a: __m256) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(a) }
+    }
+    #[inline(always)]
+    unsafe fn pow2i(n: __m256) -> __m256 {
+        // SAFETY: see the impl comment.
+        unsafe {
+            let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
+        }
+    }
+    #[inline(always)]
+    unsafe fn hsum(a: __m256) -> f32 {
+        // SAFETY: see the impl comment.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
+            _mm_cvtss_f32(s)
+        }
+    }
+    #[inline(always)]
+    unsafe fn hmax(a: __m256) -> f32 {
+        // SAFETY: see the impl comment.
+        unsafe {
+            let s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+            let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_max_ss(s, _mm_shuffle_ps::<0b01>(s, s));
+            _mm_cvtss_f32(s)
+        }
+    }
+}

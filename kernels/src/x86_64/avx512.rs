@@ -1,0 +1,85 @@
+//! AVX-512F: 16 f32 lanes in a `__m512`.
+
+use crate::simd::Simd;
+use core::arch::x86_64::*;
+
+/// Token for the AVX-512F path. Only use inside a `#[target_feature(enable = "avx512f")]` fn.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512;
+
+// SAFETY (whole impl): every method is only reached from functions compiled with
+// `target_feature(enable = "avx512f")`, entered after `Isa::Avx512.is_supported()`; the pointer
+// methods' callers guarantee 16 valid lanes.
+impl Simd for Avx512 {
+    const W: usize = 16;
+    type V = __m512;
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m512) {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_min_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn round(a: __m512) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(a) }
+    }
+    #[inline(always)]
+    unsafe fn pow2i(n: __m512) -> __m512 {
+        // SAFETY: see the impl comment.
+        unsafe {
+            let e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+        }
+    }
+    #[inline(always)]
+    unsafe fn hsum(a: __m512) -> f32 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_reduce_add_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn hmax(a: __m512) -> f32 {
+        // SAFETY: see the impl comment.
+        unsafe { _mm512_reduce_max_ps(a) }
+    }
+}

@@ -1,0 +1,222 @@
+//! Every kernel on every ISA this CPU has, against its f64 twin in `reference`.
+//! Set `ATTNKIT_REQUIRE_ISAS=avx2,avx512` to fail (not skip) when a path is missing.
+
+use attnkit_kernels::{flash_forward, reference, scratch_len, FlashArgs, Isa};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+fn isas() -> Vec<Isa> {
+    if let Ok(req) = std::env::var("ATTNKIT_REQUIRE_ISAS") {
+        for name in req.split(',').filter(|s| !s.is_empty()) {
+            let isa: Isa = name.parse().expect("ATTNKIT_REQUIRE_ISAS names an unknown ISA");
+            assert!(isa.is_supported(), "required ISA {isa} is not supported here");
+        }
+    }
+    let avail = Isa::available();
+    for isa in Isa::ALL {
+        if !avail.contains(&isa) {
+            eprintln!("skipping unsupported ISA {isa}");
+        }
+    }
+    avail
+}
+
+fn ulps(a: f32, b: f64) -> f64 {
+    let ulp = (b.abs() as f32).max(f32::MIN_POSITIVE);
+    let ulp = (f32::from_bits(ulp.to_bits() + 1) - ulp) as f64;
+    (a as f64 - b).abs() / ulp
+}
+
+#[test]
+fn exp2_matches_f64_over_the_whole_range() {
+    // Dense grid over [-130, 130] plus the special values.
+    let mut xs: Vec<f32> = (0..=2_600_000).map(|i| -130.0 + i as f32 * 1e-4).collect();
+    xs.extend([f32::NEG_INFINITY, -1e30, -150.0, -126.4, 0.0, -0.0, 1e-30, -1e-30, 126.9]);
+    for isa in isas() {
+        let mut y = xs.clone();
+        attnkit_kernels::exp2_slice(isa, &mut y);
+        let mut worst = 0.0f64;
+        for (&x, &got) in xs.iter().zip(&y) {
+            let want = reference::exp2(x as f64);
+            if x < -126.5 {
+                assert_eq!(got, 0.0, "{isa}: exp2({x}) must flush to 0, got {got}");
+            } else if x >= -126.0 && x <= 127.0 {
+                let u = ulps(got, want);
+                worst = worst.max(u);
+                assert!(u <= 3.0, "{isa}: exp2({x}) = {got}, want {want} ({u} ulp)");
+            }
+        }
+        let mut nan = [f32::NAN; 3];
+        attnkit_kernels::exp2_slice(isa, &mut nan);
+        assert!(nan.iter().all(|v| v.is_nan()), "{isa}: NaN must propagate");
+        assert_eq!(y[xs.len() - 5], 1.0, "{isa}: exp2(0) must be exact");
+        eprintln!("{isa}: exp2 worst error {worst:.2} ulp");
+    }
+}
+
+#[test]
+fn softmax_row_matches_f64() {
+    let mut rng = SmallRng::seed_from_u64(1);
+    for isa in isas() {
+        for n in [1, 2, 7, 8, 9, 15, 16, 17, 35, 64, 65, 127, 257] {
+            for mag in [1.0f32, 30.0, 1e3, 1e30] {
+                let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0) * mag).collect();
+                let mut y = x.clone();
+                attnkit_kernels::softmax_row(isa, &mut y);
+                let want = reference::softmax_row(&x.iter().map(|&v| v as f64).collect::<Vec<_>>());
+                for (g, w) in y.iter().zip(&want) {
+                    assert!((*g as f64 - w).abs() <= 2e-6 * w + 1e-7, "{isa} n={n} mag={mag}: {g} vs {w}");
+                }
+                // Shift invariance.
+                let mut z: Vec<f32> = x.iter().map(|v| v + 3.0).collect();
+                attnkit_kernels::softmax_row(isa, &mut z);
+                if mag <= 30.0 {
+                    for (a, b) in y.iter().zip(&z) {
+                        assert!((a - b).abs() <= 1e-6, "{isa}: softmax(x+c) != softmax(x)");
+                    }
+                }
+            }
+        }
+        let mut masked = [f32::NEG_INFINITY; 5];
+        attnkit_kernels::softmax_row(isa, &mut masked);
+        assert_eq!(masked, [0.0; 5], "{isa}: fully masked row gives zeros");
+        let mut nan = [0.0, f32::NAN, 1.0];
+        attnkit_kernels::softmax_row(isa, &mut nan);
+        assert!(nan.iter().any(|v| v.is_nan()), "{isa}: NaN must propagate");
+    }
+}
+
+#[test]
+fn matmul_is_exact_on_small_integers() {
+    let mut rng = SmallRng::seed_from_u64(2);
+    let sizes = [1usize, 2, 5, 7, 8, 9, 15, 16, 17, 35, 63, 64, 65, 129];
+    for isa in isas() {
+        for &m in &sizes[..10] {
+            for &n in &sizes {
+                for &k in &[0usize, 1, 3, 16, 24, 65] {
+                    let lda = k + 3;
+                    let ldb = n + 1;
+                    let ldc = n + 2;
+                    let a: Vec<f32> = (0..m * lda).map(|_| rng.gen_range(-4..=4) as f32).collect();
+                    let b: Vec<f32> = (0..k.max(1) * ldb).map(|_| rng.gen_range(-4..=4) as f32).collect();
+                    let scale: Vec<f32> = (0..m).map(|_| rng.gen_range(0..=2) as f32).collect();
+                    let c0: Vec<f32> = (0..m * ldc).map(|_| rng.gen_range(-4..=4) as f32).collect();
+                    let want = reference::matmul(m, n, k, &a, lda, &b, ldb);
+                    // Replace: C's old contents (NaN here) must not be read.
+                    let mut c = vec![f32::NAN; m * ldc];
+                    attnkit_kernels::matmul(isa, m, n, k, &a, lda, &b, ldb, &mut c, ldc, None);
+                    let mut c2 = c0.clone();
+                    attnkit_kernels::matmul(isa, m, n, k, &a, lda, &b, ldb, &mut c2, ldc, Some(&scale));
+                    for i in 0..m {
+                        for j in 0..n {
+                            assert_eq!(c[i * ldc + j] as f64, want[i * n + j], "{isa} {m}x{n}x{k} ({i},{j})");
+                            let w2 = want[i * n + j] + scale[i] as f64 * c0[i * ldc + j] as f64;
+                            assert_eq!(c2[i * ldc + j] as f64, w2, "{isa} scaled {m}x{n}x{k}");
+                        }
+                        // Padding between rows is untouched.
+                        for j in n..ldc.min(c.len() - i * ldc) {
+                            assert!(c[i * ldc + j].is_nan(), "{isa}: stray write in padding");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Flash kernel on one head against `reference::attention_head`.
+#[test]
+fn flash_forward_matches_reference() {
+    let mut rng = SmallRng::seed_from_u64(3);
+    let dims = [1usize, 3, 16, 24, 64, 80, 128, 256];
+    for isa in isas() {
+        for case in 0..120 {
+            let m = [1, 5, 17, 64, 100][case % 5];
+            let n = [1, 7, 128, 129, 300][(case / 5) % 5];
+            let d = dims[case % dims.len()];
+            let dv = dims[(case * 7 + 3) % dims.len()];
+            let row0 = rng.gen_range(0..4usize);
+            let causal = match case % 3 {
+                0 => None,
+                1 => Some(0isize),
+                _ => Some(n as isize - (m + row0) as isize),
+            };
+            let key_len = if case % 4 == 0 { rng.gen_range(0..=n) } else { n };
+            let use_bias = case % 5 == 1;
+            let use_mask = case % 6 == 2;
+            let (ldq, ldk, ldv, ldo) = (d + 1, d + 2, dv + 3, dv + 5);
+            let q: Vec<f32> = (0..m * ldq).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let k: Vec<f32> = (0..n * ldk).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let v: Vec<f32> = (0..n * ldv).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let bias: Vec<f32> = (0..m * n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let mask: Vec<bool> = (0..m * n).map(|_| rng.gen_bool(0.7)).collect();
+            let scale = 1.0 / (d as f32).sqrt();
+            let mut o = vec![f32::NAN; m * ldo];
+            let mut lse = vec![0.0f32; m];
+            let mut wts = vec![f32::NAN; m * n];
+            let args = FlashArgs {
+                m,
+                n,
+                d,
+                dv,
+                row0,
+                scale,
+                key_len,
+                causal,
+                q: q.as_ptr(),
+                ldq,
+                k: k.as_ptr(),
+                ldk,
+                v: v.as_ptr(),
+                ldv,
+                o: o.as_mut_ptr(),
+                ldo,
+                bias: if use_bias { bias.as_ptr() } else { std::ptr::null() },
+                ldbias: n,
+                mask: if use_mask { mask.as_ptr() } else { std::ptr::null() },
+                ldmask: n,
+                lse: lse.as_mut_ptr(),
+                weights: wts.as_mut_ptr(),
+                ldw: n,
+            };
+            let mut scratch = vec![0.0f32; scratch_len(m, d, dv)];
+            // SAFETY: every buffer above covers the extents in `args`; the ISA is supported.
+            unsafe { flash_forward(isa, &args, &mut scratch) };
+            let (want, want_lse, want_w) = reference::attention_head(
+                m,
+                n,
+                dv,
+                |i, j| {
+                    let r = (row0 + i) as isize;
+                    if j >= key_len || causal.is_some_and(|off| j as isize > r + off) {
+                        return None;
+                    }
+                    if use_mask && !mask[i * n + j] {
+                        return None;
+                    }
+                    let dot: f64 = (0..d).map(|p| q[i * ldq + p] as f64 * k[j * ldk + p] as f64).sum();
+                    Some(dot * scale as f64 + if use_bias { bias[i * n + j] as f64 } else { 0.0 })
+                },
+                |j, c| v[j * ldv + c] as f64,
+            );
+            let ctx = format!("{isa} case {case}: m={m} n={n} d={d} dv={dv} causal={causal:?} key_len={key_len}");
+            for i in 0..m {
+                for c in 0..dv {
+                    let (g, w) = (o[i * ldo + c] as f64, want[i * dv + c]);
+                    assert!((g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "{ctx}: out({i},{c}) {g} vs {w}");
+                }
+                for c in dv..ldo {
+                    if i * ldo + c < o.len() {
+                        assert!(o[i * ldo + c].is_nan(), "{ctx}: stray write");
+                    }
+                }
+                let (g, w) = (lse[i] as f64, want_lse[i]);
+                assert!(g == w || (g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "{ctx}: lse({i}) {g} vs {w}");
+                for j in 0..n {
+                    let (g, w) = (wts[i * n + j] as f64, want_w[i * n + j]);
+                    assert!((g - w).abs() <= 1e-6 + 1e-5 * w, "{ctx}: w({i},{j}) {g} vs {w}");
+                }
+            }
+        }
+    }
+}
