@@ -1,1 +1,28 @@
-//! attnkit
+//! # attnkit
+//!
+//! Fused, SIMD, multi-threaded attention for CPUs: `softmax(Q·Kᵀ·scale + mask)·V` computed in
+//! blocks with an online softmax, so the `Lq × Lk` score matrix is never materialised unless you
+//! ask for the weights. Kernels for AVX-512, AVX2+FMA and a portable path are chosen at run time
+//! (`ATTNKIT_ISA=scalar|avx2|avx512` forces one); threads come from the current rayon pool.
+//!
+//! The entry point is [`sdpa`], with PyTorch `F.scaled_dot_product_attention` semantics over
+//! borrowed, strided views ([`Tensor`], [`TensorMut`]) in `(B, H, L, D)` or `(B, L, H, D)` order.
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+mod error;
+mod options;
+mod scratch;
+mod sdpa;
+pub mod unfused;
+mod view;
+
+pub use attnkit_kernels::{Isa, IsaError};
+pub use error::{AttnError, Result};
+pub use options::{AttnMask, Causal, Extras, MaskRef, Par, SdpaOptions};
+pub use sdpa::{sdpa, sdpa_ext, sdpa_vec};
+pub use view::{Layout, Tensor, TensorMut};
+
+/// The raw-slice kernel crate, re-exported for benchmarks and advanced use.
+pub use attnkit_kernels as kernels;

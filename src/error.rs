@@ -1,0 +1,117 @@
+//! The one error type of the safe API. Every variant names the offending argument and the sizes
+//! involved, so a message alone is enough to find the bug.
+
+use attnkit_kernels::IsaError;
+use core::fmt;
+
+/// Why an attention call refused its input.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum AttnError {
+    /// A dimension of `arg` disagrees with the size implied by the other arguments.
+    ShapeMismatch {
+        /// The argument (`"k"`, `"out"`, `"mask"`, …).
+        arg: &'static str,
+        /// The dimension (`"B"`, `"Lk"`, `"D"`, …).
+        dim: &'static str,
+        /// The size the other arguments imply.
+        expected: usize,
+        /// The size `arg` has.
+        got: usize,
+    },
+    /// A buffer is shorter than its shape and strides need (or, for masks, not exactly as long).
+    BufferLength {
+        /// The argument.
+        arg: &'static str,
+        /// Elements the view needs.
+        needed: usize,
+        /// Elements the slice has.
+        got: usize,
+    },
+    /// A stride is unusable: an output view whose rows would overlap, or a stride smaller than
+    /// the row it steps over.
+    BadStride {
+        /// The argument.
+        arg: &'static str,
+        /// The dimension whose stride is wrong.
+        dim: &'static str,
+        /// The stride given.
+        stride: usize,
+        /// The smallest stride that would be valid.
+        min: usize,
+    },
+    /// The query head count is not a multiple of the key/value head count (GQA/MQA).
+    HeadRatio {
+        /// Query heads.
+        hq: usize,
+        /// Key/value heads.
+        hkv: usize,
+    },
+    /// A per-batch key length exceeds the key sequence length.
+    KeyLength {
+        /// Batch index.
+        batch: usize,
+        /// The length given.
+        len: usize,
+        /// The key sequence length `Lk`.
+        lk: usize,
+    },
+    /// A product of sizes overflows `usize`.
+    Overflow {
+        /// The argument whose extent overflows.
+        arg: &'static str,
+    },
+    /// A parameter value is unusable (for example a non-finite scale).
+    BadParam {
+        /// The parameter.
+        arg: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The requested ISA is unknown or unsupported on this CPU.
+    Isa(IsaError),
+}
+
+impl fmt::Display for AttnError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AttnError::ShapeMismatch { arg, dim, expected, got } => {
+                write!(f, "`{arg}`: dimension {dim} is {got}, expected {expected}")
+            }
+            AttnError::BufferLength { arg, needed, got } => {
+                write!(f, "`{arg}`: buffer has {got} elements, its shape and strides need {needed}")
+            }
+            AttnError::BadStride { arg, dim, stride, min } => {
+                write!(f, "`{arg}`: stride of {dim} is {stride}, must be at least {min}")
+            }
+            AttnError::HeadRatio { hq, hkv } => write!(
+                f,
+                "query heads ({hq}) must be a non-zero multiple of key/value heads ({hkv})"
+            ),
+            AttnError::KeyLength { batch, len, lk } => {
+                write!(f, "`key_lengths[{batch}]` is {len}, larger than Lk = {lk}")
+            }
+            AttnError::Overflow { arg } => write!(f, "`{arg}`: size overflows usize"),
+            AttnError::BadParam { arg, reason } => write!(f, "`{arg}`: {reason}"),
+            AttnError::Isa(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for AttnError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            AttnError::Isa(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<IsaError> for AttnError {
+    fn from(e: IsaError) -> Self {
+        AttnError::Isa(e)
+    }
+}
+
+/// Short for `Result<T, AttnError>`.
+pub type Result<T, E = AttnError> = core::result::Result<T, E>;

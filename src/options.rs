@@ -1,0 +1,130 @@
+//! Options of [`crate::sdpa`]: scale, causal alignment, masks, key lengths, ISA and parallelism.
+
+use attnkit_kernels::Isa;
+
+/// Causal masking and how it is aligned when `Lq ≠ Lk`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Causal {
+    /// Query `i` sees keys `j ≤ i` (PyTorch `is_causal=True`).
+    TopLeft,
+    /// Query `i` sees keys `j ≤ i + Lk − Lq`: the new queries are the *last* `Lq` positions of
+    /// the sequence (KV-cache decoding, PyTorch `causal_lower_right`).
+    BottomRight,
+}
+
+/// A mask broadcast over `(B, H, Lq, Lk)`: a dense row-major buffer whose shape has each of the
+/// first three dimensions either full or 1 (broadcast without copies), and `Lk` keys last.
+/// `(Lq, Lk)` is `[1, 1, Lq, Lk]`; a key-padding style `(B, Lk)` mask is `[B, 1, 1, Lk]`.
+#[derive(Clone, Copy, Debug)]
+pub struct MaskRef<'a, T> {
+    pub(crate) data: &'a [T],
+    pub(crate) shape: [usize; 4],
+}
+
+impl<'a, T> MaskRef<'a, T> {
+    /// A `(mb, mh, mq, Lk)` mask; `mb ∈ {1, B}`, `mh ∈ {1, H}`, `mq ∈ {1, Lq}`.
+    pub fn new(data: &'a [T], shape: [usize; 4]) -> Self {
+        MaskRef { data, shape }
+    }
+    /// An `(Lq, Lk)` mask shared by every batch and head.
+    pub fn lq_lk(data: &'a [T], lq: usize, lk: usize) -> Self {
+        Self::new(data, [1, 1, lq, lk])
+    }
+}
+
+/// An attention mask in SDPA's polarity.
+#[derive(Clone, Copy, Debug)]
+pub enum AttnMask<'a> {
+    /// `true` = attend, `false` = masked (PyTorch SDPA bool `attn_mask`).
+    Bool(MaskRef<'a, bool>),
+    /// Added to `scale·q·k` before the softmax (PyTorch SDPA float `attn_mask`); `-inf` masks.
+    Bias(MaskRef<'a, f32>),
+}
+
+/// How a call may use threads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Par {
+    /// Run on the calling thread only.
+    Seq,
+    /// Split into tasks on the current rayon pool (`ThreadPool::install` chooses it), unless the
+    /// call is too small to gain from it. Results are bitwise identical to `Seq`.
+    #[default]
+    Rayon,
+}
+
+/// Options of [`crate::sdpa`]. Built with [`SdpaOptions::new`] and the chained setters.
+///
+/// ```
+/// use attnkit::{Causal, SdpaOptions};
+/// let opts = SdpaOptions::new().causal(Causal::TopLeft).scale(0.125);
+/// # let _ = opts;
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
+pub struct SdpaOptions<'a> {
+    /// Multiplies `q·k`; `None` means `1/√D`. `Some(1.0)` is plain dot-product attention.
+    pub scale: Option<f32>,
+    /// Causal masking, combined with every other mask.
+    pub causal: Option<Causal>,
+    /// A boolean or additive mask.
+    pub mask: Option<AttnMask<'a>>,
+    /// Per-batch valid key counts: keys `j ≥ key_lengths[b]` are masked (key padding).
+    pub key_lengths: Option<&'a [usize]>,
+    /// The code path; `None` means [`Isa::detect`] (honours `ATTNKIT_ISA`).
+    pub isa: Option<Isa>,
+    /// Threading.
+    pub par: Par,
+}
+
+impl<'a> SdpaOptions<'a> {
+    /// Defaults: scale `1/√D`, no mask, best ISA, rayon.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets the scale.
+    pub fn scale(mut self, scale: f32) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+    /// Sets causal masking.
+    pub fn causal(mut self, causal: Causal) -> Self {
+        self.causal = Some(causal);
+        self
+    }
+    /// Sets a boolean mask (`true` = attend).
+    pub fn bool_mask(mut self, mask: MaskRef<'a, bool>) -> Self {
+        self.mask = Some(AttnMask::Bool(mask));
+        self
+    }
+    /// Sets an additive mask.
+    pub fn bias(mut self, bias: MaskRef<'a, f32>) -> Self {
+        self.mask = Some(AttnMask::Bias(bias));
+        self
+    }
+    /// Sets per-batch key lengths.
+    pub fn key_lengths(mut self, lens: &'a [usize]) -> Self {
+        self.key_lengths = Some(lens);
+        self
+    }
+    /// Forces a code path.
+    pub fn isa(mut self, isa: Isa) -> Self {
+        self.isa = Some(isa);
+        self
+    }
+    /// Sets threading.
+    pub fn par(mut self, par: Par) -> Self {
+        self.par = par;
+        self
+    }
+}
+
+/// Optional extra outputs of [`crate::sdpa_ext`].
+#[derive(Debug, Default)]
+pub struct Extras<'a> {
+    /// Natural-log logsumexp of each row's scores, `(B, H, Lq)` dense; `-inf` for a fully masked
+    /// row.
+    pub lse: Option<&'a mut [f32]>,
+    /// The attention weights `(B, H, Lq, Lk)` dense. Asking for them materialises the score matrix
+    /// (that is the point); without them it never exists.
+    pub weights: Option<&'a mut [f32]>,
+}

@@ -1,0 +1,368 @@
+//! Scaled dot-product attention: validation, the task plan, and the parallel loop over the fused
+//! kernel.
+
+use crate::error::{AttnError, Result};
+use crate::options::{AttnMask, Causal, Extras, MaskRef, Par, SdpaOptions};
+use crate::scratch::with_scratch;
+use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
+use attnkit_kernels::{flash_forward, scratch_len, FlashArgs, Isa};
+
+/// Query rows per task: enough to amortise packing each K/V block, few enough that long
+/// sequences give every core many tasks. Depends on the shape only, never on the thread count,
+/// so results do not either.
+const Q_BLOCK: usize = 64;
+
+/// Below this many multiply-adds a call runs on the calling thread: a rayon round trip costs
+/// more than it saves.
+const PAR_MIN_WORK: usize = 1 << 20;
+
+/// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + mask)·V`, written into `out`.
+///
+/// Shapes (logical, any layout): `q (B, Hq, Lq, D)`, `k (B, Hkv, Lk, D)`, `v (B, Hkv, Lk, Dv)`,
+/// `out (B, Hq, Lq, Dv)`, with `Hq` a multiple of `Hkv` (query head `h` reads KV head
+/// `h / (Hq/Hkv)`, no copies). Semantics follow PyTorch's `F.scaled_dot_product_attention`
+/// (bool masks: `true` = attend). A row whose keys are all masked is written as zeros, as in
+/// PyTorch 2.x. Zero-sized B, H or Lq do nothing; `Lk = 0` makes every row fully masked (zeros);
+/// `D = 0` gives uniform weights; `Dv = 0` writes nothing. NaN in the inputs propagates to the rows
+/// it touches.
+///
+/// Writes only the elements of `out` inside its view and allocates nothing (scratch is kept per
+/// thread and reused).
+///
+/// # Errors
+/// [`AttnError`] naming the argument and sizes for: a dimension that disagrees between q, k, v,
+/// out and the mask; a buffer shorter than its view; an output view whose rows overlap; `Hq` not
+/// a multiple of `Hkv`; a key length `> Lk`; sizes that overflow; a non-finite scale; an ISA the
+/// CPU lacks.
+///
+/// # Example
+/// ```
+/// use attnkit::{sdpa, SdpaOptions, Tensor, TensorMut};
+/// let (b, h, l, d) = (1, 2, 4, 8);
+/// let q = vec![0.1f32; b * h * l * d];
+/// let (k, v) = (q.clone(), q.clone());
+/// let mut out = vec![0.0f32; b * h * l * d];
+/// sdpa(
+///     &Tensor::bhld(&q, [b, h, l, d]),
+///     &Tensor::bhld(&k, [b, h, l, d]),
+///     &Tensor::bhld(&v, [b, h, l, d]),
+///     &mut TensorMut::bhld(&mut out, [b, h, l, d]),
+///     &SdpaOptions::new(),
+/// )?;
+/// assert!((out[0] - 0.1).abs() < 1e-6);
+/// # Ok::<(), attnkit::AttnError>(())
+/// ```
+pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, out: &mut TensorMut, opts: &SdpaOptions) -> Result<()> {
+    sdpa_ext(q, k, v, out, opts, Extras::default())
+}
+
+/// [`sdpa`] returning a new dense `(B, Hq, Lq, Dv)` buffer.
+///
+/// # Errors
+/// As [`sdpa`].
+pub fn sdpa_vec(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
+    let [b, hq, lq, _] = q.shape;
+    let dv = v.shape[3];
+    let len = [b, hq, lq, dv]
+        .iter()
+        .try_fold(1usize, |acc, &x| acc.checked_mul(x))
+        .ok_or(AttnError::Overflow { arg: "out" })?;
+    let mut buf = vec![0.0f32; len];
+    sdpa(q, k, v, &mut TensorMut::bhld(&mut buf, [b, hq, lq, dv]), opts)?;
+    Ok(buf)
+}
+
+/// [`sdpa`] that also writes the per-row logsumexp and/or the attention weights.
+///
+/// # Errors
+/// As [`sdpa`], plus a wrong length of `extras.lse` (`B·Hq·Lq`) or `extras.weights`
+/// (`B·Hq·Lq·Lk`).
+pub fn sdpa_ext(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut TensorMut,
+    opts: &SdpaOptions,
+    mut extras: Extras,
+) -> Result<()> {
+    let plan = Plan::new(q, k, v, out, opts, &mut extras)?;
+    plan.run(opts.par);
+    Ok(())
+}
+
+/// Mask buffer with its broadcast strides for (b, h, row); keys are contiguous.
+#[derive(Clone, Copy)]
+pub(crate) struct MaskPlan<T> {
+    pub(crate) ptr: *const T,
+    pub(crate) strides: [usize; 3],
+}
+
+/// Everything validated, as raw parts the tasks can share.
+pub(crate) struct Plan {
+    pub(crate) isa: Isa,
+    pub(crate) shape: Shape,
+    pub(crate) scale: f32,
+    pub(crate) causal: Option<isize>,
+    pub(crate) q: *const f32,
+    pub(crate) qs: [usize; 3],
+    pub(crate) k: *const f32,
+    pub(crate) ks: [usize; 3],
+    pub(crate) v: *const f32,
+    pub(crate) vs: [usize; 3],
+    pub(crate) o: *mut f32,
+    pub(crate) os: [usize; 3],
+    pub(crate) bias: Option<MaskPlan<f32>>,
+    pub(crate) mask: Option<MaskPlan<bool>>,
+    pub(crate) key_lengths: Option<*const usize>,
+    pub(crate) lse: *mut f32,
+    pub(crate) weights: *mut f32,
+}
+
+// SAFETY: the pointers come from borrows that outlive the `Plan` (it lives inside `sdpa_ext`),
+// inputs are only read, and every task writes a disjoint set of output rows (checked by
+// `check_disjoint` for `out`; `lse` and `weights` are dense and indexed by the task's rows).
+unsafe impl Sync for Plan {}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    pub(crate) b: usize,
+    pub(crate) hq: usize,
+    pub(crate) hkv: usize,
+    pub(crate) lq: usize,
+    pub(crate) lk: usize,
+    pub(crate) d: usize,
+    pub(crate) dv: usize,
+}
+
+fn mismatch(arg: &'static str, dim: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(AttnError::ShapeMismatch { arg, dim, expected, got })
+    }
+}
+
+fn dense_len(arg: &'static str, dims: &[usize]) -> Result<usize> {
+    dims.iter().try_fold(1usize, |a, &x| a.checked_mul(x)).ok_or(AttnError::Overflow { arg })
+}
+
+fn mask_plan<T>(m: &MaskRef<T>, arg: &'static str, s: &Shape) -> Result<MaskPlan<T>> {
+    const NAMES: [&str; 4] = ["B", "H", "Lq", "Lk"];
+    let full = [s.b, s.hq, s.lq, s.lk];
+    for i in 0..3 {
+        if m.shape[i] != 1 {
+            mismatch(arg, NAMES[i], full[i], m.shape[i])?;
+        }
+    }
+    mismatch(arg, "Lk", s.lk, m.shape[3])?;
+    let needed = dense_len(arg, &m.shape)?;
+    if m.data.len() != needed {
+        return Err(AttnError::BufferLength { arg, needed, got: m.data.len() });
+    }
+    // Row-major strides, 0 where the mask broadcasts.
+    let [mb, mh, mq, lk] = m.shape;
+    let st = |n: usize, s: usize| if n == 1 { 0 } else { s };
+    Ok(MaskPlan { ptr: m.data.as_ptr(), strides: [st(mb, mh * mq * lk), st(mh, mq * lk), st(mq, lk)] })
+}
+
+impl Plan {
+    pub(crate) fn new(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &mut TensorMut,
+        opts: &SdpaOptions,
+        extras: &mut Extras,
+    ) -> Result<Plan> {
+        let isa = match opts.isa {
+            Some(isa) => isa.check()?,
+            None => Isa::detect()?,
+        };
+        let [b, hq, lq, d] = q.shape;
+        let [_, hkv, lk, _] = k.shape;
+        let dv = v.shape[3];
+        mismatch("k", "B", b, k.shape[0])?;
+        mismatch("k", "D", d, k.shape[3])?;
+        mismatch("v", "B", b, v.shape[0])?;
+        mismatch("v", "H", hkv, v.shape[1])?;
+        mismatch("v", "Lk", lk, v.shape[2])?;
+        mismatch("out", "B", b, out.shape[0])?;
+        mismatch("out", "H", hq, out.shape[1])?;
+        mismatch("out", "Lq", lq, out.shape[2])?;
+        mismatch("out", "Dv", dv, out.shape[3])?;
+        if hkv == 0 && hq != 0 || hkv != 0 && hq % hkv != 0 {
+            return Err(AttnError::HeadRatio { hq, hkv });
+        }
+        check_len("q", q.data.len(), q.shape, q.strides)?;
+        check_len("k", k.data.len(), k.shape, k.strides)?;
+        check_len("v", v.data.len(), v.shape, v.strides)?;
+        check_len("out", out.data.len(), out.shape, out.strides)?;
+        check_disjoint("out", out.shape, out.strides)?;
+        let shape = Shape { b, hq, hkv, lq, lk, d, dv };
+
+        let scale = opts.scale.unwrap_or(1.0 / (d.max(1) as f32).sqrt());
+        if !scale.is_finite() {
+            return Err(AttnError::BadParam { arg: "scale", reason: "must be finite" });
+        }
+        let causal = match opts.causal {
+            None => None,
+            Some(Causal::TopLeft) => Some(0),
+            Some(Causal::BottomRight) => Some(lk as isize - lq as isize),
+        };
+        let (mut bias, mut mask) = (None, None);
+        match &opts.mask {
+            None => {}
+            Some(AttnMask::Bias(m)) => bias = Some(mask_plan(m, "mask", &shape)?),
+            Some(AttnMask::Bool(m)) => mask = Some(mask_plan(m, "mask", &shape)?),
+        }
+        if let Some(lens) = opts.key_lengths {
+            mismatch("key_lengths", "B", b, lens.len())?;
+            if let Some((batch, &len)) = lens.iter().enumerate().find(|(_, &l)| l > lk) {
+                return Err(AttnError::KeyLength { batch, len, lk });
+            }
+        }
+        let mut lse = core::ptr::null_mut();
+        if let Some(buf) = extras.lse.as_deref_mut() {
+            let needed = dense_len("lse", &[b, hq, lq])?;
+            if buf.len() != needed {
+                return Err(AttnError::BufferLength { arg: "lse", needed, got: buf.len() });
+            }
+            lse = buf.as_mut_ptr();
+        }
+        let mut weights = core::ptr::null_mut();
+        if let Some(buf) = extras.weights.as_deref_mut() {
+            let needed = dense_len("weights", &[b, hq, lq, lk])?;
+            if buf.len() != needed {
+                return Err(AttnError::BufferLength { arg: "weights", needed, got: buf.len() });
+            }
+            weights = buf.as_mut_ptr();
+        }
+        // A zero-width row is never dereferenced: give it stride 0 so no pointer steps past
+        // its buffer.
+        let zero_if = |cond: bool, s: [usize; 3]| if cond { [0; 3] } else { s };
+        Ok(Plan {
+            isa,
+            shape,
+            scale,
+            causal,
+            q: q.data.as_ptr(),
+            qs: zero_if(d == 0, q.strides),
+            k: k.data.as_ptr(),
+            ks: zero_if(d == 0, k.strides),
+            v: v.data.as_ptr(),
+            vs: zero_if(dv == 0, v.strides),
+            o: out.data.as_mut_ptr(),
+            os: zero_if(dv == 0, out.strides),
+            bias,
+            mask,
+            key_lengths: opts.key_lengths.map(|l| l.as_ptr()),
+            lse,
+            weights,
+        })
+    }
+
+    fn q_blocks(&self) -> usize {
+        self.shape.lq.div_ceil(Q_BLOCK)
+    }
+
+    fn tasks(&self) -> usize {
+        self.shape.b * self.shape.hq * self.q_blocks()
+    }
+
+    fn run(&self, par: Par) {
+        let n = self.tasks();
+        if n == 0 {
+            return;
+        }
+        self.for_each(par, n, |t| self.task(t));
+    }
+
+    /// Multiply-adds of the whole call (for the sequential/parallel decision).
+    pub(crate) fn work(&self) -> usize {
+        let s = &self.shape;
+        s.b * s.hq * s.lq * s.lk.max(1) * (s.d + s.dv).max(1)
+    }
+
+    /// Runs `f(0..n)` on the rayon pool, or inline when `par` is `Seq` or the call is small.
+    pub(crate) fn for_each(&self, par: Par, n: usize, f: impl Fn(usize) + Sync + Send) {
+        #[cfg(feature = "rayon")]
+        if par == Par::Rayon && n > 1 && self.work() >= PAR_MIN_WORK {
+            use rayon::prelude::*;
+            (0..n).into_par_iter().for_each(f);
+            return;
+        }
+        let _ = par;
+        (0..n).for_each(f);
+    }
+
+    /// `(b, h, row)` offset into a `(B, H, L, ·)` view with strides `st`.
+    pub(crate) fn off(st: [usize; 3], b: usize, h: usize, r: usize) -> usize {
+        b * st[0] + h * st[1] + r * st[2]
+    }
+
+    /// Valid key count of batch `b`.
+    pub(crate) fn key_len(&self, b: usize) -> usize {
+        match self.key_lengths {
+            // SAFETY: validated to hold `B` entries.
+            Some(p) => unsafe { *p.add(b) },
+            None => self.shape.lk,
+        }
+    }
+
+    /// Task `t`: one (batch, head, query block). Later query blocks first, since under a causal
+    /// mask they are the expensive ones and rayon hands out ranges front to back.
+    fn task(&self, t: usize) {
+        let s = &self.shape;
+        let nqb = self.q_blocks();
+        let bh = t / nqb;
+        let qb = nqb - 1 - t % nqb;
+        let (b, h) = (bh / s.hq, bh % s.hq);
+        let hk = h / (s.hq / s.hkv);
+        let row0 = qb * Q_BLOCK;
+        let m = Q_BLOCK.min(s.lq - row0);
+        let off3 = Plan::off;
+        let key_len = self.key_len(b);
+        // SAFETY (pointer offsets below): every offset addresses an element inside its buffer,
+        // as validated by `check_len` / the dense-length checks in `Plan::new`.
+        let args = unsafe {
+            FlashArgs {
+                m,
+                n: s.lk,
+                d: s.d,
+                dv: s.dv,
+                row0,
+                scale: self.scale,
+                key_len,
+                causal: self.causal,
+                q: self.q.add(off3(self.qs, b, h, row0)),
+                ldq: self.qs[2],
+                k: self.k.add(off3(self.ks, b, hk, 0)),
+                ldk: self.ks[2],
+                v: self.v.add(off3(self.vs, b, hk, 0)),
+                ldv: self.vs[2],
+                o: self.o.add(off3(self.os, b, h, row0)),
+                ldo: self.os[2],
+                bias: self.bias.map_or(core::ptr::null(), |p| p.ptr.add(off3(p.strides, b, h, row0))),
+                ldbias: self.bias.map_or(0, |p| p.strides[2]),
+                mask: self.mask.map_or(core::ptr::null(), |p| p.ptr.add(off3(p.strides, b, h, row0))),
+                ldmask: self.mask.map_or(0, |p| p.strides[2]),
+                lse: if self.lse.is_null() {
+                    self.lse
+                } else {
+                    self.lse.add((b * s.hq + h) * s.lq + row0)
+                },
+                weights: if self.weights.is_null() {
+                    self.weights
+                } else {
+                    self.weights.add(((b * s.hq + h) * s.lq + row0) * s.lk)
+                },
+                ldw: s.lk,
+            }
+        };
+        with_scratch(scratch_len(m, s.d, s.dv), |scratch| {
+            // SAFETY: `args` describes validated, in-bounds extents; this task's output rows
+            // (out, lse, weights) are disjoint from every other task's; the ISA was checked.
+            unsafe { flash_forward(self.isa, &args, scratch) }
+        });
+    }
+}

@@ -1,0 +1,81 @@
+//! The unfused baseline: per head, `S = Q·Kᵀ` with a GEMM (matrixmultiply), mask, the SIMD row
+//! softmax, then `O = P·V` with a GEMM. It materialises one `Lq × Lk` score matrix per thread.
+//! Exists to be measured against (and as a second, independent implementation in tests).
+
+use crate::error::Result;
+use crate::options::SdpaOptions;
+use crate::scratch::with_scratch;
+use crate::sdpa::Plan;
+use crate::view::{Tensor, TensorMut};
+use crate::Extras;
+use attnkit_kernels::softmax_row;
+
+/// Same contract, semantics and errors as [`crate::sdpa`], computed the unfused way; tasks are
+/// whole (batch, head) pairs.
+///
+/// # Errors
+/// As [`crate::sdpa`].
+pub fn sdpa_unfused(q: &Tensor, k: &Tensor, v: &Tensor, out: &mut TensorMut, opts: &SdpaOptions) -> Result<()> {
+    let plan = Plan::new(q, k, v, out, opts, &mut Extras::default())?;
+    let s = plan.shape;
+    plan.for_each(opts.par, s.b * s.hq, |bh| head(&plan, bh));
+    Ok(())
+}
+
+fn head(p: &Plan, bh: usize) {
+    let s = p.shape;
+    let (b, h) = (bh / s.hq, bh % s.hq);
+    if s.lq == 0 || s.dv == 0 {
+        return;
+    }
+    let hk = h / (s.hq / s.hkv);
+    let key_len = p.key_len(b);
+    with_scratch(s.lq * s.lk, |sc| {
+        // SAFETY: offsets and extents were validated by `Plan::new`; this head's output rows are
+        // disjoint from every other head's; `sc` holds Lq·Lk elements.
+        unsafe {
+            let q = p.q.add(Plan::off(p.qs, b, h, 0));
+            let k = p.k.add(Plan::off(p.ks, b, hk, 0));
+            let v = p.v.add(Plan::off(p.vs, b, hk, 0));
+            let o = p.o.add(Plan::off(p.os, b, h, 0));
+            let (lq, lk, d, dv) = (s.lq, s.lk, s.d, s.dv);
+            // S = scale · Q · Kᵀ: Kᵀ is K read with swapped strides.
+            matrixmultiply::sgemm(
+                lq, d, lk, p.scale, q, p.qs[2] as isize, 1, k, 1, p.ks[2] as isize, 0.0, sc.as_mut_ptr(), lk as isize, 1,
+            );
+            for i in 0..lq {
+                let row = &mut sc[i * lk..(i + 1) * lk];
+                let mut lim = key_len;
+                if let Some(off) = p.causal {
+                    lim = lim.min((i as isize + off + 1).clamp(0, lk as isize) as usize);
+                }
+                if let Some(m) = p.bias {
+                    let bias = m.ptr.add(Plan::off(m.strides, b, h, i));
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x += *bias.add(j);
+                    }
+                }
+                if let Some(m) = p.mask {
+                    let mask = m.ptr.add(Plan::off(m.strides, b, h, i));
+                    for (j, x) in row.iter_mut().enumerate() {
+                        if !*mask.add(j) {
+                            *x = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                row[lim.min(lk)..].fill(f32::NEG_INFINITY);
+                softmax_row(p.isa, row);
+            }
+            if lk == 0 {
+                for i in 0..lq {
+                    core::slice::from_raw_parts_mut(o.add(i * p.os[2]), dv).fill(0.0);
+                }
+                return;
+            }
+            matrixmultiply::sgemm(
+                lq, lk, dv, 1.0, sc.as_ptr(), lk as isize, 1, v, p.vs[2] as isize, 1, 0.0, o, p.os[2] as isize, 1,
+            );
+        }
+    });
+}
+

@@ -1,0 +1,133 @@
+//! Borrowed 4-D views `(B, H, L, D)` over f32 slices: a shape plus strides for B, H and L, the
+//! last dimension contiguous. Building a view never copies and never fails; the attention call
+//! validates it (and names it) before any kernel runs.
+
+use crate::error::{AttnError, Result};
+
+/// Memory order of a `(B, H, L, D)` tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Heads before sequence: `(B, H, L, D)` row-major (PyTorch's SDPA layout).
+    Bhld,
+    /// Sequence before heads: `(B, L, H, D)` row-major, i.e. `(B, L, H·D)`, the layout of a
+    /// projection's output. Reading it per head is a stride, not a copy.
+    Blhd,
+}
+
+impl Layout {
+    /// Element strides of B, H and L for a dense tensor of this layout.
+    pub fn strides(self, shape: [usize; 4]) -> [usize; 3] {
+        let [_, h, l, d] = shape;
+        match self {
+            Layout::Bhld => [h * l * d, l * d, d],
+            Layout::Blhd => [l * h * d, d, h * d],
+        }
+    }
+}
+
+/// A read-only `(B, H, L, D)` view. Element `(b, h, l, x)` is at
+/// `b·strides[0] + h·strides[1] + l·strides[2] + x`.
+#[derive(Clone, Copy, Debug)]
+pub struct Tensor<'a> {
+    pub(crate) data: &'a [f32],
+    pub(crate) shape: [usize; 4],
+    pub(crate) strides: [usize; 3],
+}
+
+/// A writable `(B, H, L, D)` view, as [`Tensor`]. Elements outside the view (padding between
+/// rows) are never written.
+#[derive(Debug)]
+pub struct TensorMut<'a> {
+    pub(crate) data: &'a mut [f32],
+    pub(crate) shape: [usize; 4],
+    pub(crate) strides: [usize; 3],
+}
+
+impl<'a> Tensor<'a> {
+    /// A dense tensor of logical shape `(B, H, L, D)` stored in `layout` order.
+    pub fn new(data: &'a [f32], shape: [usize; 4], layout: Layout) -> Self {
+        Tensor { data, shape, strides: layout.strides(shape) }
+    }
+    /// Dense `(B, H, L, D)`, heads before sequence.
+    pub fn bhld(data: &'a [f32], shape: [usize; 4]) -> Self {
+        Self::new(data, shape, Layout::Bhld)
+    }
+    /// Dense `(B, L, H, D)` memory read as logical `(B, H, L, D)`.
+    pub fn blhd(data: &'a [f32], shape: [usize; 4]) -> Self {
+        Self::new(data, shape, Layout::Blhd)
+    }
+    /// Any strides for B, H, L (the D axis is contiguous). Lets Q, K and V be views into one packed
+    /// QKV projection buffer, e.g. `(B, L, 3, H, D)` with `strides = [L·3·H·D, D, 3·H·D]`.
+    pub fn strided(data: &'a [f32], shape: [usize; 4], strides: [usize; 3]) -> Self {
+        Tensor { data, shape, strides }
+    }
+    /// Logical shape `(B, H, L, D)`.
+    pub fn shape(&self) -> [usize; 4] {
+        self.shape
+    }
+}
+
+impl<'a> TensorMut<'a> {
+    /// A dense tensor of logical shape `(B, H, L, D)` stored in `layout` order.
+    pub fn new(data: &'a mut [f32], shape: [usize; 4], layout: Layout) -> Self {
+        TensorMut { data, shape, strides: layout.strides(shape) }
+    }
+    /// Dense `(B, H, L, D)`.
+    pub fn bhld(data: &'a mut [f32], shape: [usize; 4]) -> Self {
+        Self::new(data, shape, Layout::Bhld)
+    }
+    /// Dense `(B, L, H, D)` memory written as logical `(B, H, L, D)`: the multi-head concat.
+    pub fn blhd(data: &'a mut [f32], shape: [usize; 4]) -> Self {
+        Self::new(data, shape, Layout::Blhd)
+    }
+    /// Any non-overlapping strides for B, H, L (validated by the call that writes it).
+    pub fn strided(data: &'a mut [f32], shape: [usize; 4], strides: [usize; 3]) -> Self {
+        TensorMut { data, shape, strides }
+    }
+    /// Logical shape `(B, H, L, D)`.
+    pub fn shape(&self) -> [usize; 4] {
+        self.shape
+    }
+}
+
+/// Elements a view needs: the largest offset plus one row, with checked arithmetic.
+pub(crate) fn needed_len(arg: &'static str, shape: [usize; 4], strides: [usize; 3]) -> Result<usize> {
+    if shape.contains(&0) {
+        return Ok(0);
+    }
+    let ovf = || AttnError::Overflow { arg };
+    let mut last = 0usize;
+    for i in 0..3 {
+        let step = (shape[i] - 1).checked_mul(strides[i]).ok_or_else(ovf)?;
+        last = last.checked_add(step).ok_or_else(ovf)?;
+    }
+    last.checked_add(shape[3]).ok_or_else(ovf)
+}
+
+/// Checks that `data` covers the view.
+pub(crate) fn check_len(arg: &'static str, len: usize, shape: [usize; 4], strides: [usize; 3]) -> Result<()> {
+    let needed = needed_len(arg, shape, strides)?;
+    if len < needed {
+        return Err(AttnError::BufferLength { arg, needed, got: len });
+    }
+    Ok(())
+}
+
+/// Checks that no two elements of a writable view share memory: sorted by stride, each
+/// dimension's stride must step over everything inside it.
+pub(crate) fn check_disjoint(arg: &'static str, shape: [usize; 4], strides: [usize; 3]) -> Result<()> {
+    const NAMES: [&str; 3] = ["B", "H", "L"];
+    if shape.contains(&0) {
+        return Ok(());
+    }
+    let mut dims: Vec<usize> = (0..3).filter(|&i| shape[i] > 1).collect();
+    dims.sort_by_key(|&i| strides[i]);
+    let mut span = shape[3]; // one contiguous row
+    for i in dims {
+        if strides[i] < span {
+            return Err(AttnError::BadStride { arg, dim: NAMES[i], stride: strides[i], min: span });
+        }
+        span = strides[i].checked_mul(shape[i] - 1).and_then(|x| x.checked_add(span)).ok_or(AttnError::Overflow { arg })?;
+    }
+    Ok(())
+}
