@@ -1,12 +1,14 @@
 //! The fused attention forward pass for one block of query rows of one head.
 //!
-//! Streams the keys in blocks of `nb`: scores for the block (one GEMM into an `m × nb` tile),
-//! mask, online softmax (running max `mᵢ` and sum `lᵢ`, accumulator rescaled by
-//! `α = 2^(m_old − m_new)` fused into the next GEMM's load of O), then `O += P·V`. The scores live in
-//! an O(m·nb) tile; the `Lq × Lk` matrix exists only if the caller asks for the weights.
+//! Streams the keys in blocks of `nb`. Tiles are transposed, queries along the SIMD axis:
+//! `Sᵀ = K·Q̂ᵀ` (one GEMM into an `nb × m` tile, K read in place), mask, online softmax with
+//! *vertical* reductions (running max `mᵢ` and sum `lᵢ` per query lane; `Oᵀ` rescaled by
+//! `α = 2^(m_old − m_new)` only when some max rose), then `Oᵀ += Vᵀ·Pᵀ` (V read in place). Q̂ᵀ
+//! is packed once per query block and `Oᵀ` transposed once at the end, so nothing is packed per
+//! key block. The `Lq × Lk` matrix exists only if the caller asks for the weights.
 //!
-//! Scores are kept in base-2 units: Q is packed pre-multiplied by `scale·log2(e)`, so the
-//! exponent is a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
+//! Scores are kept in base-2 units: Q̂ is Q pre-multiplied by `scale·log2(e)`, so the exponent is
+//! a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
 
 use crate::gemm::{Accum, Tiles};
 use crate::simd::{exp2, Simd};
@@ -85,10 +87,8 @@ const fn round_up(x: usize, w: usize) -> usize {
 
 /// f32 elements of scratch [`crate::flash_forward`] needs for these extents (enough for every ISA).
 pub fn scratch_len(m: usize, d: usize, dv: usize) -> usize {
-    const W: usize = 16;
-    let nb = round_up(key_block(d), W);
-    let dvp = round_up(dv, W);
-    m * d + d * nb + nb * dvp + m * nb + m * dvp + 3 * m
+    let mp = round_up(m, 16);
+    d * mp + key_block(d) * mp + dv * mp + 4 * mp
 }
 
 /// The fused kernel, generic over the vector type.
@@ -105,17 +105,15 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
     }
     let w = S::W;
     let nb_max = key_block(d);
-    let nbp_max = round_up(nb_max, w);
-    let dvp = round_up(dv, w);
+    let mp = round_up(m, w);
     debug_assert!(scratch.len() >= scratch_len(m, d, dv), "flash scratch too short");
-    let (qs, rest) = scratch.split_at_mut(m * d);
-    let (kt, rest) = rest.split_at_mut(d * nbp_max);
-    let (vp, rest) = rest.split_at_mut(nbp_max * dvp);
-    let (s, rest) = rest.split_at_mut(m * nbp_max);
-    let (oacc, rest) = rest.split_at_mut(m * dvp);
-    let (mrow, rest) = rest.split_at_mut(m);
-    let (lrow, rest) = rest.split_at_mut(m);
-    let alpha = &mut rest[..m];
+    let (qt, rest) = scratch.split_at_mut(d * mp);
+    let (st, rest) = rest.split_at_mut(nb_max * mp);
+    let (ot, rest) = rest.split_at_mut(dv * mp);
+    let (mrow, rest) = rest.split_at_mut(mp);
+    let (lrow, rest) = rest.split_at_mut(mp);
+    let (alpha, rest) = rest.split_at_mut(mp);
+    let tmp = &mut rest[..mp];
 
     // Visible-key limit of row r (exclusive), from key padding and causality.
     let limit = |r: usize| -> usize {
@@ -132,12 +130,13 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
     // SAFETY (whole body): reads and writes stay inside the extents `args` describes and the
     // scratch slices split above; the ISA is enabled per this function's contract.
     unsafe {
-        // Pack Q pre-scaled into base-2 units.
+        // Q̂ᵀ (d × mp), pre-scaled into base-2 units; padding lanes are zero.
         let qscale = a.scale * LOG2E;
+        qt.fill(0.0);
         for r in 0..m {
             let src = a.q.add(r * a.ldq);
             for p in 0..d {
-                qs[r * d + p] = *src.add(p) * qscale;
+                qt[p * mp + r] = *src.add(p) * qscale;
             }
         }
         mrow.fill(f32::NEG_INFINITY);
@@ -147,133 +146,148 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
         let mut first = true;
         while j0 < kmax {
             let nb = nb_max.min(kmax - j0);
-            let nbp = round_up(nb, w);
-            // Kᵀ block: keys along the SIMD axis, zero columns past nb.
-            for p in 0..d {
-                kt[p * nbp + nb..p * nbp + nbp].fill(0.0);
-            }
-            for j in 0..nb {
-                let src = a.k.add((j0 + j) * a.ldk);
-                for p in 0..d {
-                    kt[p * nbp + j] = *src.add(p);
+            let s = &mut st[..nb * mp];
+            S::block(nb, mp / w, d, a.k.add(j0 * a.ldk), a.ldk, 1, qt.as_ptr(), mp, s.as_mut_ptr(), mp, Accum::Replace);
+            mask_block(a, j0, nb, mp, s);
+            let rescale = online_softmax::<S>(s, nb, mp, mrow, lrow, alpha);
+            if rescale && !first {
+                for c in 0..dv {
+                    scale_row::<S>(&mut ot[c * mp..(c + 1) * mp], alpha);
                 }
             }
-            // V block padded to a lane multiple.
-            for j in 0..nb {
-                let src = a.v.add((j0 + j) * a.ldv);
-                let dst = &mut vp[j * dvp..(j + 1) * dvp];
-                dst[..dv].copy_from_slice(core::slice::from_raw_parts(src, dv));
-                dst[dv..].fill(0.0);
-            }
-
-            S::block(m, nbp / w, d, qs.as_ptr(), d, kt.as_ptr(), nbp, s.as_mut_ptr(), nbp, Accum::Replace);
-
-            for r in 0..m {
-                let srow = &mut s[r * nbp..(r + 1) * nbp];
-                let valid = limit(r).saturating_sub(j0).min(nb);
-                if !a.bias.is_null() {
-                    let b = a.bias.add(r * a.ldbias + j0);
-                    for (j, x) in srow[..valid].iter_mut().enumerate() {
-                        *x += *b.add(j) * LOG2E;
-                    }
-                }
-                if !a.mask.is_null() {
-                    let mk = a.mask.add(r * a.ldmask + j0);
-                    for (j, x) in srow[..valid].iter_mut().enumerate() {
-                        if !*mk.add(j) {
-                            *x = f32::NEG_INFINITY;
-                        }
-                    }
-                }
-                srow[valid..].fill(f32::NEG_INFINITY);
-                if !a.weights.is_null() {
-                    // Raw base-2 logits now; normalised once the row's final max and sum are known.
-                    let wrow = core::slice::from_raw_parts_mut(a.weights.add(r * a.ldw + j0), nb);
-                    wrow.copy_from_slice(&srow[..nb]);
-                }
-
-                let m_blk = row_max::<S>(srow);
-                let m_old = mrow[r];
-                // NaN must win so that it propagates to the output.
-                let m_new = if m_blk > m_old || m_blk.is_nan() { m_blk } else { m_old };
-                if m_new == f32::NEG_INFINITY {
-                    // Nothing visible yet: P = 0, accumulator untouched.
-                    srow.fill(0.0);
-                    alpha[r] = 1.0;
-                    continue;
-                }
-                let al = if m_old == m_new { 1.0 } else { (m_old - m_new).exp2() };
-                alpha[r] = al;
-                mrow[r] = m_new;
-                lrow[r] = lrow[r] * al + exp_row::<S>(srow, m_new);
-            }
-
-            let acc = if first { Accum::Replace } else { Accum::ScaleAdd(alpha.as_ptr()) };
-            S::block(m, dvp / w, nb, s.as_ptr(), nbp, vp.as_ptr(), dvp, oacc.as_mut_ptr(), dvp, acc);
+            let acc = if first { Accum::Replace } else { Accum::Add };
+            S::block(dv, mp / w, nb, a.v.add(j0 * a.ldv), 1, a.ldv, s.as_ptr(), mp, ot.as_mut_ptr(), mp, acc);
             first = false;
             j0 += nb;
         }
 
+        // Oᵀ → O, normalised. A row that saw no key (l = 0) gives zeros and lse = −inf.
+        for (t, &l) in tmp.iter_mut().zip(lrow.iter()) {
+            *t = if first || l == 0.0 { 0.0 } else { 1.0 / l };
+        }
         for r in 0..m {
-            let l = lrow[r];
             let out = core::slice::from_raw_parts_mut(a.o.add(r * a.ldo), dv);
-            // A row that saw no key (l = 0, max still −inf) gives zeros and lse = −inf.
-            if first || l == 0.0 {
+            if tmp[r] == 0.0 {
                 out.fill(0.0);
             } else {
-                let inv = 1.0 / l;
-                for (o, x) in out.iter_mut().zip(&oacc[r * dvp..r * dvp + dv]) {
-                    *o = *x * inv;
+                for (c, o) in out.iter_mut().enumerate() {
+                    *o = ot[c * mp + r] * tmp[r];
                 }
             }
-            if !a.lse.is_null() {
-                *a.lse.add(r) = if l == 0.0 {
-                    f32::NEG_INFINITY
-                } else {
-                    (mrow[r] + l.log2()) * LN2
-                };
+        }
+        if !a.lse.is_null() {
+            for r in 0..m {
+                let l = lrow[r];
+                *a.lse.add(r) = if l == 0.0 { f32::NEG_INFINITY } else { (mrow[r] + l.log2()) * LN2 };
             }
-            if !a.weights.is_null() {
+        }
+        if !a.weights.is_null() {
+            for r in 0..m {
                 let wrow = core::slice::from_raw_parts_mut(a.weights.add(r * a.ldw), a.n);
                 // Keys past the loop bound were never written: they are masked for this row.
                 let (done, rest) = wrow.split_at_mut(kmax);
                 rest.fill(0.0);
-                if l == 0.0 {
+                if lrow[r] == 0.0 {
                     done.fill(0.0);
                 } else {
-                    exp_scale::<S>(done, mrow[r], 1.0 / l);
+                    exp_scale::<S>(done, mrow[r], tmp[r]);
                 }
             }
         }
     }
 }
 
-/// Max of a row whose length is a lane multiple.
+/// Applies key padding/causality (by index), the bias and the bool mask to a score block
+/// `Sᵀ[nb × mp]` starting at key `j0`, and copies the raw logits to the weights if asked.
+///
+/// # Safety
+/// As [`forward`].
 #[inline(always)]
-unsafe fn row_max<S: Simd>(x: &[f32]) -> f32 {
-    // SAFETY: `x.len()` is a multiple of W, so every load is in bounds.
+unsafe fn mask_block(a: &FlashArgs, j0: usize, nb: usize, mp: usize, s: &mut [f32]) {
+    // SAFETY: bias/mask/weights rows < m and columns < n are in bounds per `forward`'s contract.
     unsafe {
-        let mut acc = S::splat(f32::NEG_INFINITY);
-        for c in x.chunks_exact(S::W) {
-            acc = S::max(acc, S::load(c.as_ptr()));
+        for j in 0..nb {
+            let jj = j0 + j;
+            let row = &mut s[j * mp..j * mp + a.m];
+            if let Some(off) = a.causal {
+                // Key jj is hidden from query rows r with row0 + r + off < jj.
+                let hidden = (jj as isize - off - a.row0 as isize).clamp(0, a.m as isize) as usize;
+                row[..hidden].fill(f32::NEG_INFINITY);
+            }
+            if !a.bias.is_null() {
+                for (r, x) in row.iter_mut().enumerate() {
+                    *x += *a.bias.add(r * a.ldbias + jj) * LOG2E;
+                }
+            }
+            if !a.mask.is_null() {
+                for (r, x) in row.iter_mut().enumerate() {
+                    if !*a.mask.add(r * a.ldmask + jj) {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            if !a.weights.is_null() {
+                // Raw base-2 logits now; normalised once each row's final max and sum are known.
+                for (r, &x) in row.iter().enumerate() {
+                    *a.weights.add(r * a.ldw + jj) = x;
+                }
+            }
         }
-        S::hmax(acc)
     }
 }
 
-/// `x ← 2^(x − m)` in place on a lane-multiple row; returns the sum.
+/// One online-softmax step on `Sᵀ[nb × mp]`, per query lane: new max, `α = 2^(m_old − m_new)`,
+/// `Sᵀ ← 2^(Sᵀ − m_new)` in place, `l ← α·l + Σ`. Returns whether any `α` differs from 1.
 #[inline(always)]
-unsafe fn exp_row<S: Simd>(x: &mut [f32], m: f32) -> f32 {
-    // SAFETY: `x.len()` is a multiple of W, so every load and store is in bounds.
+unsafe fn online_softmax<S: Simd>(
+    s: &mut [f32],
+    nb: usize,
+    mp: usize,
+    mrow: &mut [f32],
+    lrow: &mut [f32],
+    alpha: &mut [f32],
+) -> bool {
+    let mut rescale = false;
+    // SAFETY: `mp` is a multiple of W and every access is `< nb·mp` or `< mp`.
     unsafe {
-        let mv = S::splat(m);
-        let mut sum = S::splat(0.0);
-        for c in x.chunks_exact_mut(S::W) {
-            let e = exp2::<S>(S::sub(S::load(c.as_ptr()), mv));
-            S::store(c.as_mut_ptr(), e);
-            sum = S::add(sum, e);
+        for c in (0..mp).step_by(S::W) {
+            let mut mx = S::load(mrow.as_ptr().add(c));
+            let m_old = mx;
+            for j in 0..nb {
+                // Operand order lets NaN scores win, so they propagate.
+                mx = S::max(mx, S::load(s.as_ptr().add(j * mp + c)));
+            }
+            // A lane that has seen only −inf keeps max −inf; exponentiate against a finite
+            // stand-in so that −inf − (−inf) never makes NaN: its p and α are then 0.
+            let m_use = S::max(S::splat(-f32::MAX), mx);
+            let al = exp2::<S>(S::sub(m_old, m_use));
+            let mut sum = S::splat(0.0);
+            for j in 0..nb {
+                let ptr = s.as_mut_ptr().add(j * mp + c);
+                let e = exp2::<S>(S::sub(S::load(ptr), m_use));
+                S::store(ptr, e);
+                sum = S::add(sum, e);
+            }
+            S::store(mrow.as_mut_ptr().add(c), mx);
+            let l = S::load(lrow.as_ptr().add(c));
+            S::store(lrow.as_mut_ptr().add(c), S::fma(l, al, sum));
+            S::store(alpha.as_mut_ptr().add(c), al);
         }
-        S::hsum(sum)
+    }
+    for &x in alpha.iter() {
+        rescale |= x != 1.0;
+    }
+    rescale
+}
+
+/// `x ← x ⊙ k`, lane-multiple length.
+#[inline(always)]
+unsafe fn scale_row<S: Simd>(x: &mut [f32], k: &[f32]) {
+    // SAFETY: both slices are lane multiples of equal length.
+    unsafe {
+        for (c, kc) in x.chunks_exact_mut(S::W).zip(k.chunks_exact(S::W)) {
+            S::store(c.as_mut_ptr(), S::mul(S::load(c.as_ptr()), S::load(kc.as_ptr())));
+        }
     }
 }
 

@@ -1,9 +1,10 @@
-//! Register-tiled micro-kernel `C = (rowscale ⊙ C) + A·B` and the loop that covers a block with it.
+//! Register-tiled micro-kernel `C (+)= A·B` and the loop that covers a block with it.
 //!
-//! The same kernel computes both products of attention:
-//! * scores  `S[m × n] = Q̂[m × d] · Kᵀ[d × n]` with Kᵀ packed so keys are the SIMD axis;
-//! * output  `O[m × dv] = α ⊙ O + P[m × n] · V[n × dv]` with V packed to a lane multiple, the
-//!   online-softmax rescale α fused into the load of O.
+//! The fused kernel works on *transposed* tiles, queries along the SIMD axis, so that K and V are
+//! read in place as the broadcast operand (no per-block packing) and the softmax reductions over
+//! keys are vertical (no shuffles):
+//! * scores  `Sᵀ[nb × m] = K[nb × d] · Q̂ᵀ[d × m]` (Q̂ᵀ packed once per query block);
+//! * output  `Oᵀ[dv × m] += Vᵀ[dv × nb] · Pᵀ[nb × m]` (Vᵀ is V read with swapped strides).
 //!
 //! Register layout of one tile (AVX-512, MR = 6, NV = 4, W = 16): 24 accumulators `c[i][v]`
 //! (6 rows × 64 columns), 4 loads of B per step of the reduction and one broadcast of A:
@@ -22,20 +23,21 @@ use crate::simd::Simd;
 pub(crate) enum Accum {
     /// `C = A·B`; C is not read (it may hold garbage or NaN).
     Replace,
-    /// `C = s ⊙ C + A·B` with one scale per row of C, read from this pointer (`m` values).
-    ScaleAdd(*const f32),
+    /// `C = C + A·B`.
+    Add,
 }
 
 /// One MR × (NV·W) tile.
 ///
 /// # Safety
-/// `a` is readable at `i*lda + p` and `b` at `p*ldb + [0, NV·W)` for `i < MR`, `p < kc`; `c` is
-/// readable (for `ScaleAdd`) and writable at `i*ldc + [0, NV·W)`; the ISA of `S` is enabled.
+/// `a` is readable at `i*rsa + p*csa` and `b` at `p*ldb + [0, NV·W)` for `i < MR`, `p < kc`; `c` is
+/// readable (for `Add`) and writable at `i*ldc + [0, NV·W)`; the ISA of `S` is enabled.
 #[inline(always)]
 unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
     kc: usize,
     a: *const f32,
-    lda: usize,
+    rsa: usize,
+    csa: usize,
     b: *const f32,
     ldb: usize,
     c: *mut f32,
@@ -45,11 +47,10 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
     // SAFETY: pointer ranges as promised by the caller (see `# Safety`).
     unsafe {
         let mut r = [[S::splat(0.0); NV]; MR];
-        if let Accum::ScaleAdd(s) = acc {
+        if let Accum::Add = acc {
             for i in 0..MR {
-                let si = S::splat(*s.add(i));
                 for v in 0..NV {
-                    r[i][v] = S::mul(S::load(c.add(i * ldc + v * S::W)), si);
+                    r[i][v] = S::load(c.add(i * ldc + v * S::W));
                 }
             }
         }
@@ -59,7 +60,7 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
                 bv[v] = S::load(b.add(p * ldb + v * S::W));
             }
             for i in 0..MR {
-                let ai = S::splat(*a.add(i * lda + p));
+                let ai = S::splat(*a.add(i * rsa + p * csa));
                 for v in 0..NV {
                     r[i][v] = S::fma(ai, bv[v], r[i][v]);
                 }
@@ -80,7 +81,8 @@ unsafe fn band<S: Simd, const MR: usize, const NV: usize>(
     nvec: usize,
     kc: usize,
     a: *const f32,
-    lda: usize,
+    rsa: usize,
+    csa: usize,
     b: *const f32,
     ldb: usize,
     c: *mut f32,
@@ -92,22 +94,23 @@ unsafe fn band<S: Simd, const MR: usize, const NV: usize>(
     unsafe {
         while v0 + NV <= nvec {
             let off = v0 * S::W;
-            tile::<S, MR, NV>(kc, a, lda, b.add(off), ldb, c.add(off), ldc, acc);
+            tile::<S, MR, NV>(kc, a, rsa, csa, b.add(off), ldb, c.add(off), ldc, acc);
             v0 += NV;
         }
         let off = v0 * S::W;
         let (b, c) = (b.add(off), c.add(off));
         match nvec - v0 {
             0 => {}
-            1 => tile::<S, MR, 1>(kc, a, lda, b, ldb, c, ldc, acc),
-            2 => tile::<S, MR, 2>(kc, a, lda, b, ldb, c, ldc, acc),
-            3 => tile::<S, MR, 3>(kc, a, lda, b, ldb, c, ldc, acc),
+            1 => tile::<S, MR, 1>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            2 => tile::<S, MR, 2>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            3 => tile::<S, MR, 3>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
             _ => unreachable!("NV is at most 4"),
         }
     }
 }
 
-/// `C[m × nvec·W] = acc(C) + A[m × kc] · B[kc × nvec·W]`, covered by MR-row bands.
+/// `C[m × nvec·W] (+)= A[m × kc] · B[kc × nvec·W]`, covered by MR-row bands. A is read by
+/// broadcast at `a[i·rsa + p·csa]` (any strides: Q, K or Vᵀ in place); B and C are row-major.
 ///
 /// # Safety
 /// As [`tile`], for all `m` rows and `nvec·W` columns; `NV ≤ 4`, `MR ≤ 8`.
@@ -118,35 +121,31 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NV: usize>(
     nvec: usize,
     kc: usize,
     a: *const f32,
-    lda: usize,
+    rsa: usize,
+    csa: usize,
     b: *const f32,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
     acc: Accum,
 ) {
-    let shift = |acc: Accum, i: usize| match acc {
-        // SAFETY: the scale pointer covers `m` rows.
-        Accum::ScaleAdd(s) => Accum::ScaleAdd(unsafe { s.add(i) }),
-        Accum::Replace => Accum::Replace,
-    };
     let mut i = 0;
     // SAFETY: each band stays inside the `m` rows the caller vouched for.
     unsafe {
         while i + MR <= m {
-            band::<S, MR, NV>(nvec, kc, a.add(i * lda), lda, b, ldb, c.add(i * ldc), ldc, shift(acc, i));
+            band::<S, MR, NV>(nvec, kc, a.add(i * rsa), rsa, csa, b, ldb, c.add(i * ldc), ldc, acc);
             i += MR;
         }
-        let (a, c, acc) = (a.add(i * lda), c.add(i * ldc), shift(acc, i));
+        let (a, c) = (a.add(i * rsa), c.add(i * ldc));
         match m - i {
             0 => {}
-            1 => band::<S, 1, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
-            2 => band::<S, 2, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
-            3 => band::<S, 3, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
-            4 => band::<S, 4, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
-            5 => band::<S, 5, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
-            6 => band::<S, 6, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
-            7 => band::<S, 7, NV>(nvec, kc, a, lda, b, ldb, c, ldc, acc),
+            1 => band::<S, 1, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            2 => band::<S, 2, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            3 => band::<S, 3, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            4 => band::<S, 4, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            5 => band::<S, 5, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            6 => band::<S, 6, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            7 => band::<S, 7, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
             _ => unreachable!("MR is at most 8"),
         }
     }
@@ -164,7 +163,8 @@ pub(crate) trait Tiles: Simd {
         nvec: usize,
         kc: usize,
         a: *const f32,
-        lda: usize,
+        rsa: usize,
+        csa: usize,
         b: *const f32,
         ldb: usize,
         c: *mut f32,
@@ -182,7 +182,8 @@ macro_rules! tiles {
                 nvec: usize,
                 kc: usize,
                 a: *const f32,
-                lda: usize,
+                rsa: usize,
+                csa: usize,
                 b: *const f32,
                 ldb: usize,
                 c: *mut f32,
@@ -190,7 +191,7 @@ macro_rules! tiles {
                 acc: Accum,
             ) {
                 // SAFETY: forwarded contract.
-                unsafe { gemm::<$t, $mr, $nv>(m, nvec, kc, a, lda, b, ldb, c, ldc, acc) }
+                unsafe { gemm::<$t, $mr, $nv>(m, nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc) }
             }
         }
     };
@@ -213,7 +214,8 @@ pub(crate) unsafe fn block<S: Tiles>(
     nvec: usize,
     kc: usize,
     a: *const f32,
-    lda: usize,
+    rsa: usize,
+    csa: usize,
     b: *const f32,
     ldb: usize,
     c: *mut f32,
@@ -221,5 +223,5 @@ pub(crate) unsafe fn block<S: Tiles>(
     acc: Accum,
 ) {
     // SAFETY: forwarded contract.
-    unsafe { S::block(m, nvec, kc, a, lda, b, ldb, c, ldc, acc) }
+    unsafe { S::block(m, nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc) }
 }

@@ -64,7 +64,7 @@ macro_rules! isa_fn {
 
 isa_fn!(flash_isa(args: &FlashArgs, scratch: &mut [f32]) => flash::forward);
 isa_fn!(exp_scale_isa(x: &mut [f32], m: f32, k: f32) => flash::exp_scale);
-isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, a: *const f32, lda: usize, b: *const f32,
+isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32,
     ldb: usize, c: *mut f32, ldc: usize, acc: Accum) => gemm::block);
 
 /// Fused attention forward for one block of query rows of one head (see [`FlashArgs`]).
@@ -129,11 +129,11 @@ pub fn softmax_row(isa: Isa, x: &mut [f32]) {
 }
 
 /// `C[m × n] = A[m × k] · B[k × n]` (row-major, leading dimensions `lda`, `ldb`, `ldc`) through
-/// the attention micro-kernel: B is packed to a lane multiple, A is read in place. With
-/// `row_scale = Some(s)`, computes `C = s ⊙ C + A·B` (the fused online-softmax rescale).
+/// the attention micro-kernel: B is packed to a lane multiple, A is read in place by broadcast.
+/// With `accumulate`, computes `C += A·B` instead.
 ///
-/// This is the QKᵀ tile (A = Q, B = Kᵀ) and the P·V tile (A = P, B = V) of the fused kernel,
-/// exposed for tests and benches.
+/// In the fused kernel this is the score tile `Sᵀ = K·Q̂ᵀ` (A = K) and the output tile
+/// `Oᵀ += Vᵀ·Pᵀ` (A = Vᵀ); exposed for tests and benches.
 ///
 /// # Panics
 /// If `isa` is unsupported or a slice is too short for the extents.
@@ -149,16 +149,13 @@ pub fn matmul(
     ldb: usize,
     c: &mut [f32],
     ldc: usize,
-    row_scale: Option<&[f32]>,
+    accumulate: bool,
 ) {
     assert!(isa.is_supported(), "{isa} is not supported on this CPU");
     let need = |rows: usize, ld: usize, cols: usize| if rows == 0 { 0 } else { (rows - 1) * ld + cols };
     assert!(a.len() >= need(m, lda, k) && (m < 2 || lda >= k), "A too short");
     assert!(b.len() >= need(k, ldb, n) && (k < 2 || ldb >= n), "B too short");
     assert!(c.len() >= need(m, ldc, n) && (m < 2 || ldc >= n), "C too short");
-    if let Some(s) = row_scale {
-        assert!(s.len() >= m, "row_scale too short");
-    }
     if m == 0 || n == 0 {
         return;
     }
@@ -169,20 +166,17 @@ pub fn matmul(
         bp[p * np..p * np + n].copy_from_slice(&b[p * ldb..p * ldb + n]);
     }
     let mut cp = vec![0.0f32; m * np];
-    if row_scale.is_some() {
+    if accumulate {
         for i in 0..m {
             cp[i * np..i * np + n].copy_from_slice(&c[i * ldc..i * ldc + n]);
         }
     }
-    let acc = match row_scale {
-        Some(s) => Accum::ScaleAdd(s.as_ptr()),
-        None => Accum::Replace,
-    };
+    let acc = if accumulate { Accum::Add } else { Accum::Replace };
     // An empty A still needs a valid pointer for the (skipped) reduction loop.
     let a_ptr = if a.is_empty() { [0.0f32].as_ptr() } else { a.as_ptr() };
     // SAFETY: A, the packed B and the padded C cover the extents asserted above; the ISA is
     // supported (asserted).
-    unsafe { block_isa(isa, m, np / w, k, a_ptr, lda, bp.as_ptr(), np, cp.as_mut_ptr(), np, acc) };
+    unsafe { block_isa(isa, m, np / w, k, a_ptr, lda, 1, bp.as_ptr(), np, cp.as_mut_ptr(), np, acc) };
     for i in 0..m {
         c[i * ldc..i * ldc + n].copy_from_slice(&cp[i * np..i * np + n]);
     }

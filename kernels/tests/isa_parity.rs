@@ -99,19 +99,18 @@ fn matmul_is_exact_on_small_integers() {
                     let ldc = n + 2;
                     let a: Vec<f32> = (0..m * lda).map(|_| rng.gen_range(-4..=4) as f32).collect();
                     let b: Vec<f32> = (0..k.max(1) * ldb).map(|_| rng.gen_range(-4..=4) as f32).collect();
-                    let scale: Vec<f32> = (0..m).map(|_| rng.gen_range(0..=2) as f32).collect();
-                    let c0: Vec<f32> = (0..m * ldc).map(|_| rng.gen_range(-4..=4) as f32).collect();
+                                        let c0: Vec<f32> = (0..m * ldc).map(|_| rng.gen_range(-4..=4) as f32).collect();
                     let want = reference::matmul(m, n, k, &a, lda, &b, ldb);
                     // Replace: C's old contents (NaN here) must not be read.
                     let mut c = vec![f32::NAN; m * ldc];
-                    attnkit_kernels::matmul(isa, m, n, k, &a, lda, &b, ldb, &mut c, ldc, None);
+                    attnkit_kernels::matmul(isa, m, n, k, &a, lda, &b, ldb, &mut c, ldc, false);
                     let mut c2 = c0.clone();
-                    attnkit_kernels::matmul(isa, m, n, k, &a, lda, &b, ldb, &mut c2, ldc, Some(&scale));
+                    attnkit_kernels::matmul(isa, m, n, k, &a, lda, &b, ldb, &mut c2, ldc, true);
                     for i in 0..m {
                         for j in 0..n {
                             assert_eq!(c[i * ldc + j] as f64, want[i * n + j], "{isa} {m}x{n}x{k} ({i},{j})");
-                            let w2 = want[i * n + j] + scale[i] as f64 * c0[i * ldc + j] as f64;
-                            assert_eq!(c2[i * ldc + j] as f64, w2, "{isa} scaled {m}x{n}x{k}");
+                            let w2 = want[i * n + j] + c0[i * ldc + j] as f64;
+                            assert_eq!(c2[i * ldc + j] as f64, w2, "{isa} accumulate {m}x{n}x{k}");
                         }
                         // Padding between rows is untouched.
                         for j in n..ldc.min(c.len() - i * ldc) {
