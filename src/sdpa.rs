@@ -10,7 +10,7 @@ use attnkit_kernels::{flash_forward, scratch_len, FlashArgs, Isa};
 /// Query rows per task: enough to amortise packing each K/V block, few enough that long
 /// sequences give every core many tasks. Depends on the shape only, never on the thread count,
 /// so results do not either.
-const Q_BLOCK: usize = 64;
+const Q_BLOCK: usize = 96;
 
 /// Below this many multiply-adds a call runs on the calling thread: a rayon round trip costs
 /// more than it saves.

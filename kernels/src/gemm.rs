@@ -74,11 +74,12 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
     }
 }
 
-/// Columns of one row band: full NV-wide tiles, then one narrower tile for the rest.
+/// One column panel (NV vectors wide) over all `m` rows: full MR-row tiles, then one shorter
+/// tile. The panel of B (`kc × NV·W`) stays in L1 while the rows of A stream past it.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn band<S: Simd, const MR: usize, const NV: usize>(
-    nvec: usize,
+unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
+    m: usize,
     kc: usize,
     a: *const f32,
     rsa: usize,
@@ -89,28 +90,30 @@ unsafe fn band<S: Simd, const MR: usize, const NV: usize>(
     ldc: usize,
     acc: Accum,
 ) {
-    let mut v0 = 0;
-    // SAFETY: each tile stays inside the `nvec·W` columns the caller vouched for.
+    let mut i = 0;
+    // SAFETY: each tile stays inside the `m` rows the caller vouched for.
     unsafe {
-        while v0 + NV <= nvec {
-            let off = v0 * S::W;
-            tile::<S, MR, NV>(kc, a, rsa, csa, b.add(off), ldb, c.add(off), ldc, acc);
-            v0 += NV;
+        while i + MR <= m {
+            tile::<S, MR, NV>(kc, a.add(i * rsa), rsa, csa, b, ldb, c.add(i * ldc), ldc, acc);
+            i += MR;
         }
-        let off = v0 * S::W;
-        let (b, c) = (b.add(off), c.add(off));
-        match nvec - v0 {
+        let (a, c) = (a.add(i * rsa), c.add(i * ldc));
+        match m - i {
             0 => {}
-            1 => tile::<S, MR, 1>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            2 => tile::<S, MR, 2>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            3 => tile::<S, MR, 3>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            _ => unreachable!("NV is at most 4"),
+            1 => tile::<S, 1, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            2 => tile::<S, 2, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            3 => tile::<S, 3, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            4 => tile::<S, 4, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            5 => tile::<S, 5, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            6 => tile::<S, 6, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            7 => tile::<S, 7, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            _ => unreachable!("MR is at most 8"),
         }
     }
 }
 
-/// `C[m × nvec·W] (+)= A[m × kc] · B[kc × nvec·W]`, covered by MR-row bands. A is read by
-/// broadcast at `a[i·rsa + p·csa]` (any strides: Q, K or Vᵀ in place); B and C are row-major.
+/// `C[m × nvec·W] (+)= A[m × kc] · B[kc × nvec·W]`, covered by NV-wide column panels. A is read by
+/// broadcast at `a[i·rsa + p·csa]` (any strides: K or Vᵀ in place); B and C are row-major.
 ///
 /// # Safety
 /// As [`tile`], for all `m` rows and `nvec·W` columns; `NV ≤ 4`, `MR ≤ 8`.
@@ -129,24 +132,22 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NV: usize>(
     ldc: usize,
     acc: Accum,
 ) {
-    let mut i = 0;
-    // SAFETY: each band stays inside the `m` rows the caller vouched for.
+    let mut v0 = 0;
+    // SAFETY: each panel stays inside the `nvec·W` columns the caller vouched for.
     unsafe {
-        while i + MR <= m {
-            band::<S, MR, NV>(nvec, kc, a.add(i * rsa), rsa, csa, b, ldb, c.add(i * ldc), ldc, acc);
-            i += MR;
+        while v0 + NV <= nvec {
+            let off = v0 * S::W;
+            panel::<S, MR, NV>(m, kc, a, rsa, csa, b.add(off), ldb, c.add(off), ldc, acc);
+            v0 += NV;
         }
-        let (a, c) = (a.add(i * rsa), c.add(i * ldc));
-        match m - i {
+        let off = v0 * S::W;
+        let (b, c) = (b.add(off), c.add(off));
+        match nvec - v0 {
             0 => {}
-            1 => band::<S, 1, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            2 => band::<S, 2, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            3 => band::<S, 3, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            4 => band::<S, 4, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            5 => band::<S, 5, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            6 => band::<S, 6, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            7 => band::<S, 7, NV>(nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            _ => unreachable!("MR is at most 8"),
+            1 => panel::<S, MR, 1>(m, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            2 => panel::<S, MR, 2>(m, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            3 => panel::<S, MR, 3>(m, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            _ => unreachable!("NV is at most 4"),
         }
     }
 }
@@ -201,7 +202,7 @@ tiles!(crate::simd::Portable, 4, 2);
 #[cfg(target_arch = "x86_64")]
 tiles!(crate::x86_64::avx2::Avx2, 6, 2);
 #[cfg(target_arch = "x86_64")]
-tiles!(crate::x86_64::avx512::Avx512, 6, 4);
+tiles!(crate::x86_64::avx512::Avx512, 8, 3);
 
 /// [`Tiles::block`] as a free generic function, the form the ISA dispatch instantiates.
 ///
