@@ -12,6 +12,8 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod error;
+mod heads;
+mod gemm;
 mod options;
 mod scratch;
 mod sdpa;
@@ -20,9 +22,15 @@ mod view;
 
 pub use attnkit_kernels::{Isa, IsaError};
 pub use error::{AttnError, Result};
+pub use heads::{merge_heads, split_heads};
 pub use options::{AttnMask, Causal, Extras, MaskRef, Par, SdpaOptions};
 pub use sdpa::{sdpa, sdpa_ext, sdpa_vec};
 pub use view::{Layout, Tensor, TensorMut};
 
 /// The raw-slice kernel crate, re-exported for benchmarks and advanced use.
 pub use attnkit_kernels as kernels;
+
+/// README.md's code blocks, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

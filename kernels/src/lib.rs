@@ -10,6 +10,7 @@
 
 mod flash;
 mod gemm;
+mod heads;
 mod isa;
 pub mod reference;
 mod simd;
@@ -17,6 +18,7 @@ mod simd;
 mod x86_64;
 
 pub use flash::{key_block, scratch_len, CausalOffset, FlashArgs};
+pub use heads::{merge_heads, split_heads};
 pub use isa::{Isa, IsaError};
 
 use gemm::Accum;

@@ -219,3 +219,25 @@ fn flash_forward_matches_reference() {
         }
     }
 }
+
+#[test]
+fn split_then_merge_heads_round_trips() {
+    for (b, l, h, d) in [(1, 1, 1, 1), (2, 5, 3, 7), (1, 9, 4, 16)] {
+        let x: Vec<f32> = (0..b * l * h * d).map(|i| i as f32).collect();
+        let mut y = vec![0.0; x.len()];
+        attnkit_kernels::split_heads(&x, &mut y, b, l, h, d);
+        for bi in 0..b {
+            for hi in 0..h {
+                for li in 0..l {
+                    for di in 0..d {
+                        let want = x[((bi * l + li) * h + hi) * d + di];
+                        assert_eq!(y[((bi * h + hi) * l + li) * d + di], want);
+                    }
+                }
+            }
+        }
+        let mut z = vec![0.0; x.len()];
+        attnkit_kernels::merge_heads(&y, &mut z, b, l, h, d);
+        assert_eq!(x, z);
+    }
+}
