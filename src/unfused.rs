@@ -1,8 +1,13 @@
-//! The unfused baseline: per head, `S = Q·Kᵀ` with a GEMM (matrixmultiply), mask, the SIMD row
-//! softmax, then `O = P·V` with a GEMM. It materialises one `Lq × Lk` score matrix per thread.
-//! Exists to be measured against (and as a second, independent implementation in tests).
+//! The unfused baseline: per head, `S = Q·Kᵀ` with a GEMM, mask, the SIMD row softmax, then
+//! `O = P·V` with a GEMM. It materialises one `Lq × Lk` score matrix per thread. Exists to be
+//! measured against (and as a second, independent implementation in tests).
+//!
+//! The GEMMs run on a chosen [`Backend`]: `matrixmultiply`, or the system OpenBLAS with the
+//! `blas` feature (single-threaded inside our rayon tasks; see [`sdpa_unfused_with`]).
 
 use crate::error::Result;
+use crate::gemm::sgemm;
+pub use crate::gemm::Backend;
 use crate::options::SdpaOptions;
 use crate::scratch::with_scratch;
 use crate::sdpa::Plan;
@@ -11,18 +16,68 @@ use crate::Extras;
 use attnkit_kernels::softmax_row;
 
 /// Same contract, semantics and errors as [`crate::sdpa`], computed the unfused way; tasks are
-/// whole (batch, head) pairs.
+/// whole (batch, head) pairs. The GEMMs run on [`Backend::default`] (OpenBLAS with the `blas`
+/// feature, else `matrixmultiply`).
 ///
 /// # Errors
 /// As [`crate::sdpa`].
-pub fn sdpa_unfused(q: &Tensor, k: &Tensor, v: &Tensor, out: &mut TensorMut, opts: &SdpaOptions) -> Result<()> {
+pub fn sdpa_unfused(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut TensorMut,
+    opts: &SdpaOptions,
+) -> Result<()> {
+    sdpa_unfused_with(q, k, v, out, opts, Backend::default())
+}
+
+/// [`sdpa_unfused`] with the GEMM library chosen explicitly, so that backends can be compared
+/// in one process.
+///
+/// With [`Backend::Blas`] each of the two GEMMs per head is one `cblas_sgemm` call on the calling
+/// rayon worker; OpenBLAS is set to one thread (process-wide, on its first use) so that its own
+/// pool does not oversubscribe the cores our tasks already use.
+///
+/// # Errors
+/// As [`crate::sdpa`].
+///
+/// # Example
+/// ```
+/// use attnkit::unfused::{sdpa_unfused_with, Backend};
+/// use attnkit::{SdpaOptions, Tensor, TensorMut};
+/// let shape = [1, 2, 4, 8];
+/// let q = vec![0.1f32; 64];
+/// let mut out = vec![0.0f32; 64];
+/// for &backend in Backend::ALL {
+///     let (t, mut o) = (Tensor::bhld(&q, shape), TensorMut::bhld(&mut out, shape));
+///     sdpa_unfused_with(&t, &t, &t, &mut o, &SdpaOptions::new(), backend)?;
+///     assert!((out[0] - 0.1).abs() < 1e-6);
+/// }
+/// # Ok::<(), attnkit::AttnError>(())
+/// ```
+pub fn sdpa_unfused_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut TensorMut,
+    opts: &SdpaOptions,
+    backend: Backend,
+) -> Result<()> {
     let plan = Plan::new(q, k, v, out, opts, &mut Extras::default())?;
     let s = plan.shape;
-    plan.for_each(opts.par, s.b * s.hq, |bh| head(&plan, bh));
+    plan.for_each(opts.par, s.b * s.hq, |bh| head(&plan, bh, backend));
     Ok(())
 }
 
-fn head(p: &Plan, bh: usize) {
+/// Number of `cblas_sgemm` calls made so far by this process (feature `blas`): lets tests prove
+/// that [`Backend::Blas`] really reaches BLAS.
+#[cfg(feature = "blas")]
+#[doc(hidden)]
+pub fn blas_calls() -> u64 {
+    crate::gemm::blas_calls()
+}
+
+fn head(p: &Plan, bh: usize, backend: Backend) {
     let s = p.shape;
     let (b, h) = (bh / s.hq, bh % s.hq);
     if s.lq == 0 || s.dv == 0 {
@@ -40,8 +95,22 @@ fn head(p: &Plan, bh: usize) {
             let o = p.o.add(Plan::off(p.os, b, h, 0));
             let (lq, lk, d, dv) = (s.lq, s.lk, s.d, s.dv);
             // S = scale · Q · Kᵀ: Kᵀ is K read with swapped strides.
-            matrixmultiply::sgemm(
-                lq, d, lk, p.scale, q, p.qs[2] as isize, 1, k, 1, p.ks[2] as isize, 0.0, sc.as_mut_ptr(), lk as isize, 1,
+            sgemm(
+                backend,
+                lq,
+                d,
+                lk,
+                p.scale,
+                q,
+                p.qs[2] as isize,
+                1,
+                k,
+                1,
+                p.ks[2] as isize,
+                0.0,
+                sc.as_mut_ptr(),
+                lk as isize,
+                1,
             );
             for i in 0..lq {
                 let row = &mut sc[i * lk..(i + 1) * lk];
@@ -72,10 +141,23 @@ fn head(p: &Plan, bh: usize) {
                 }
                 return;
             }
-            matrixmultiply::sgemm(
-                lq, lk, dv, 1.0, sc.as_ptr(), lk as isize, 1, v, p.vs[2] as isize, 1, 0.0, o, p.os[2] as isize, 1,
+            sgemm(
+                backend,
+                lq,
+                lk,
+                dv,
+                1.0,
+                sc.as_ptr(),
+                lk as isize,
+                1,
+                v,
+                p.vs[2] as isize,
+                1,
+                0.0,
+                o,
+                p.os[2] as isize,
+                1,
             );
         }
     });
 }
-

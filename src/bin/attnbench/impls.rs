@@ -1,0 +1,240 @@
+//! The implementations under test, behind one small trait so that new ones slot in.
+//!
+//! EXTENSION POINT (layers): the `mha` and `additive` layers are reserved names (see [`LAYERS`]);
+//! when the layers exist, implement [`Impl`] for each (its `run` calls the layer's forward) and
+//! return it from [`by_name`]; the `layers` preset in `cases.rs` then lists their shapes.
+
+use crate::cases::Case;
+use attnkit::kernels::reference;
+use attnkit::unfused::{sdpa_unfused_with, Backend};
+use attnkit::{sdpa, Causal, Isa, SdpaOptions, Tensor, TensorMut};
+
+/// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed.
+pub struct Inputs {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+impl Inputs {
+    /// Uniform in [-1, 1), from a SplitMix64 stream seeded by `seed` and the shape, so each case
+    /// sees the same data in every run and every implementation.
+    pub fn new(case: &Case, seed: u64) -> Inputs {
+        let mut state = seed
+            ^ (case.b as u64) << 48
+            ^ (case.h as u64) << 40
+            ^ (case.lq as u64) << 20
+            ^ case.lk as u64;
+        let mut fill = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                    let mut z = state;
+                    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                    z ^= z >> 31;
+                    // 24 random bits → [-1, 1).
+                    (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                })
+                .collect()
+        };
+        Inputs {
+            q: fill(case.q_len()),
+            k: fill(case.kv_len()),
+            v: fill(case.kv_len()),
+        }
+    }
+}
+
+/// One implementation of attention that can be timed.
+pub trait Impl: Sync {
+    /// The `impl` field of the output.
+    fn name(&self) -> &'static str;
+    /// The `isa` field of the output, given the ISA the run uses.
+    fn isa_label(&self, isa: Isa) -> String {
+        isa.name().to_string()
+    }
+    /// Threads it really uses when the rayon pool has `pool` threads.
+    fn threads(&self, pool: usize) -> usize {
+        pool
+    }
+    /// `Some(reason)` when this case is out of its reach.
+    fn skip(&self, _case: &Case) -> Option<String> {
+        None
+    }
+    /// One forward pass: reads `inp`, writes `out` (dense `(B, H, Lq, D)`).
+    fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa);
+}
+
+/// Names accepted by `--impl`, in output order.
+pub const NAMES: &[&str] = &["fused", "unfused-mm", "unfused-blas", "naive"];
+/// Reserved for the attention layers (not implemented yet).
+pub const LAYERS: &[&str] = &["mha", "additive"];
+
+fn views<'a>(
+    case: &Case,
+    inp: &'a Inputs,
+    out: &'a mut [f32],
+) -> (Tensor<'a>, Tensor<'a>, Tensor<'a>, TensorMut<'a>) {
+    let qs = [case.b, case.h, case.lq, case.d];
+    let kvs = [case.b, case.hkv, case.lk, case.d];
+    (
+        Tensor::bhld(&inp.q, qs),
+        Tensor::bhld(&inp.k, kvs),
+        Tensor::bhld(&inp.v, kvs),
+        TensorMut::bhld(out, qs),
+    )
+}
+
+fn options(case: &Case, isa: Isa) -> SdpaOptions<'static> {
+    let o = SdpaOptions::new().isa(isa);
+    if case.causal {
+        o.causal(Causal::TopLeft)
+    } else {
+        o
+    }
+}
+
+/// `attnkit::sdpa`: the fused kernel, on the current rayon pool.
+struct Fused;
+
+impl Impl for Fused {
+    fn name(&self) -> &'static str {
+        "fused"
+    }
+    fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
+        let (q, k, v, mut o) = views(case, inp, out);
+        sdpa(&q, &k, &v, &mut o, &options(case, isa)).expect("sdpa failed");
+    }
+}
+
+/// `attnkit::unfused::sdpa_unfused_with`: GEMM, softmax, GEMM, per head.
+struct Unfused(&'static str, Backend);
+
+impl Impl for Unfused {
+    fn name(&self) -> &'static str {
+        self.0
+    }
+    fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
+        let (q, k, v, mut o) = views(case, inp, out);
+        sdpa_unfused_with(&q, &k, &v, &mut o, &options(case, isa), self.1)
+            .expect("sdpa_unfused failed");
+    }
+}
+
+/// The f64 scalar reference (`attnkit::kernels::reference::attention_head`), one thread.
+struct Naive {
+    max_macs: f64,
+}
+
+impl Impl for Naive {
+    fn name(&self) -> &'static str {
+        "naive"
+    }
+    fn isa_label(&self, _isa: Isa) -> String {
+        "reference".into()
+    }
+    fn threads(&self, _pool: usize) -> usize {
+        1
+    }
+    fn skip(&self, case: &Case) -> Option<String> {
+        (case.macs() > self.max_macs).then(|| {
+            format!(
+                "larger than --naive-max ({:.0}M multiply-adds)",
+                self.max_macs / 1e6
+            )
+        })
+    }
+    fn run(&self, c: &Case, inp: &Inputs, out: &mut [f32], _isa: Isa) {
+        let (lq, lk, d) = (c.lq, c.lk, c.d);
+        let scale = 1.0 / (d as f64).sqrt();
+        for b in 0..c.b {
+            for h in 0..c.h {
+                let hk = h / (c.h / c.hkv);
+                let q = &inp.q[(b * c.h + h) * lq * d..][..lq * d];
+                let k = &inp.k[(b * c.hkv + hk) * lk * d..][..lk * d];
+                let v = &inp.v[(b * c.hkv + hk) * lk * d..][..lk * d];
+                let logit = |i: usize, j: usize| {
+                    if c.causal && j > i {
+                        return None;
+                    }
+                    let dot: f64 = (0..d)
+                        .map(|x| q[i * d + x] as f64 * k[j * d + x] as f64)
+                        .sum();
+                    Some(dot * scale)
+                };
+                let (o, _, _) =
+                    reference::attention_head(lq, lk, d, logit, |j, x| v[j * d + x] as f64);
+                for (dst, src) in out[(b * c.h + h) * lq * d..][..lq * d].iter_mut().zip(o) {
+                    *dst = src as f32;
+                }
+            }
+        }
+    }
+}
+
+/// The implementation called `name`, `Err(reason)` when this build or this crate cannot run it.
+pub fn by_name(name: &str, naive_max_macs: f64) -> Result<Box<dyn Impl>, String> {
+    match name {
+        "fused" => Ok(Box::new(Fused)),
+        "unfused-mm" => Ok(Box::new(Unfused("unfused-mm", Backend::MatrixMultiply))),
+        #[cfg(feature = "blas")]
+        "unfused-blas" => Ok(Box::new(Unfused("unfused-blas", Backend::Blas))),
+        #[cfg(not(feature = "blas"))]
+        "unfused-blas" => {
+            Err("unfused-blas: skipped, this binary was built without `--features blas`".into())
+        }
+        "naive" => Ok(Box::new(Naive {
+            max_macs: naive_max_macs,
+        })),
+        n if LAYERS.contains(&n) => Err(format!(
+            "{n}: skipped, the attention layers are not implemented yet"
+        )),
+        n => Err(format!(
+            "unknown implementation {n:?}; known: {}",
+            NAMES.join(", ")
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every implementation agrees with the others on a small case, causal and not.
+    #[test]
+    fn implementations_agree() {
+        let isa = Isa::detect().unwrap();
+        for causal in [false, true] {
+            let case = Case::new(2, 4, 33, 33, 16, causal);
+            let inp = Inputs::new(&case, 7);
+            let mut want = vec![0.0; case.q_len()];
+            Naive {
+                max_macs: f64::INFINITY,
+            }
+            .run(&case, &inp, &mut want, isa);
+            for name in NAMES {
+                let Ok(imp) = by_name(name, f64::INFINITY) else {
+                    continue;
+                };
+                let mut got = vec![f32::NAN; case.q_len()];
+                imp.run(&case, &inp, &mut got, isa);
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(err < 1e-4, "{name} causal={causal}: max error {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn inputs_are_deterministic() {
+        let case = Case::new(1, 2, 8, 8, 4, false);
+        let (a, b) = (Inputs::new(&case, 1), Inputs::new(&case, 1));
+        assert_eq!(a.q, b.q);
+        assert!(a.q.iter().all(|x| (-1.0..1.0).contains(x)));
+        assert_ne!(a.q, Inputs::new(&case, 2).q);
+    }
+}

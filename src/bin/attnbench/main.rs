@@ -1,0 +1,596 @@
+//! `attnbench`: attention implementations side by side, in one process, on the same inputs.
+//!
+//! ```text
+//! cargo run --release                                   # short preset, readable table (< 1 min)
+//! cargo run --release --bin attnbench -- --preset core --json --threads 1,2
+//! cargo run --release --features blas --bin attnbench -- --preset core --plot core.svg
+//! cargo run --release --bin attnbench -- --b 1 --h 32 --hkv 8 --lq 1 --lk 8192 --d 128
+//! cargo run --release --bin attnbench -- --from results.jsonl --markdown --plot all.svg
+//! ```
+//!
+//! Every figure: median wall time of several calls after warm-up, GFLOP/s under the convention
+//! `4·B·H·Lq·Lk·D / time` (halved for a causal mask when `Lq = Lk`), and that as a percentage of
+//! the FMA peak probed at start for the same thread count. `--help` lists the options.
+
+mod cases;
+mod impls;
+mod peak;
+mod plot;
+mod report;
+
+use attnkit::Isa;
+use cases::Case;
+use impls::{Impl, Inputs};
+use indicatif::{ProgressBar, ProgressStyle};
+use report::Record;
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::time::{Duration, Instant};
+
+const HELP: &str = "\
+attnbench: attention implementations side by side (fused, unfused-mm, unfused-blas, naive).
+
+USAGE: attnbench [OPTIONS]            (no options: --preset quick, a table, under a minute)
+
+SHAPES
+  --preset NAME       quick | core | decode | small | layers   (see --list)
+  --b N --h N --hkv N --lq N --lk N --d N
+                      one explicit shape instead (defaults B=1 H=16 Hkv=H Lq=1024 Lk=Lq D=64)
+  --causal [yes|no|both]
+                      top-left causal mask; with a preset, keeps only the cases that match
+                      (default for an explicit shape: no; `--causal` alone means yes)
+RUN
+  --impl LIST         comma-separated: fused,unfused-mm,unfused-blas,naive (default: all this
+                      build has; unfused-blas needs --features blas; naive only on small shapes)
+  --threads LIST      rayon threads, e.g. 1,2 (default: all cores)
+  --isa NAME          scalar | avx2 | avx512 for our kernels (default: best, or $ATTNKIT_ISA)
+  --warmup N          untimed calls first (default 1)
+  --reps N            at least N timed calls (default 5) ...
+  --min-time SECS     ... and at least this long in all (default 0.3) ...
+  --max-time SECS     ... but stop after this long once 3 calls are done (default 5)
+  --seed N            input seed (default 42; inputs are uniform in [-1, 1))
+  --naive-max M       largest case for naive, in millions of multiply-adds (default 32)
+  --peak GFLOPS       one thread's FMA peak, instead of the probe (scaled by the thread count)
+OUTPUT
+  --json              JSON lines: impl, b, h, hkv, lq, lk, d, causal, threads, isa, median_s,
+                      gflops, pct_peak
+  --markdown          markdown tables (one per thread count) instead of the terminal table
+  --plot FILE.svg     GFLOP/s against sequence length, per implementation and thread count
+  --from FILE         read JSON lines (ours, scripts/bench_torch.py's) instead of measuring;
+                      repeatable; combine with --markdown / --plot
+  --list              list the presets and implementations
+  -h, --help          this text
+
+FLOPs = 4*B*H*Lq*Lk*D per call (halved for causal when Lq = Lk); pct_peak = GFLOP/s / peak.
+";
+
+#[derive(Debug)]
+struct Config {
+    cases: Vec<Case>,
+    impls: Vec<String>,
+    threads: Vec<usize>,
+    isa: Isa,
+    warmup: usize,
+    reps: usize,
+    min_time: f64,
+    max_time: f64,
+    seed: u64,
+    naive_max: f64,
+    peak: Option<f64>,
+    json: bool,
+    markdown: bool,
+    plot: Option<String>,
+    from: Vec<String>,
+    preset: Option<String>,
+}
+
+fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
+    let mut it = args.into_iter().peekable();
+    let mut preset: Option<String> = None;
+    let mut shape: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut causal: Option<String> = None;
+    let mut cfg = Config {
+        cases: Vec::new(),
+        impls: impls::NAMES.iter().map(|s| s.to_string()).collect(),
+        threads: vec![rayon::current_num_threads()],
+        isa: Isa::detect().map_err(|e| e.to_string())?,
+        warmup: 1,
+        reps: 5,
+        min_time: 0.3,
+        max_time: 5.0,
+        seed: 42,
+        naive_max: 32e6,
+        peak: None,
+        json: false,
+        markdown: false,
+        plot: None,
+        from: Vec::new(),
+        preset: None,
+    };
+    let mut explicit_impls = false;
+    while let Some(arg) = it.next() {
+        let (key, inline) = match arg.split_once('=') {
+            Some((k, v)) if k.starts_with("--") => (k.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        let value =
+            |it: &mut std::iter::Peekable<std::vec::IntoIter<String>>| -> Result<String, String> {
+                match inline.clone() {
+                    Some(v) => Ok(v),
+                    None => it.next().ok_or_else(|| format!("{key} needs a value")),
+                }
+            };
+        let num = |s: String| -> Result<f64, String> {
+            s.parse::<f64>()
+                .map_err(|_| format!("{key}: not a number: {s:?}"))
+        };
+        let int = |s: String| -> Result<usize, String> {
+            s.parse::<usize>()
+                .map_err(|_| format!("{key}: not a count: {s:?}"))
+        };
+        match key.as_str() {
+            "-h" | "--help" => {
+                print!("{HELP}");
+                return Ok(None);
+            }
+            "--list" => {
+                println!("presets:");
+                for (name, what) in cases::PRESETS {
+                    println!("  {name:<8} {what}");
+                }
+                println!(
+                    "implementations: {} (reserved for the layers: {})",
+                    impls::NAMES.join(", "),
+                    impls::LAYERS.join(", ")
+                );
+                return Ok(None);
+            }
+            "--preset" => preset = Some(value(&mut it)?),
+            "--b" | "--h" | "--hkv" | "--lq" | "--lk" | "--d" => {
+                let name: &'static str = match key.as_str() {
+                    "--b" => "b",
+                    "--h" => "h",
+                    "--hkv" => "hkv",
+                    "--lq" => "lq",
+                    "--lk" => "lk",
+                    _ => "d",
+                };
+                shape.insert(name, int(value(&mut it)?)?);
+            }
+            "--causal" => {
+                causal = Some(match inline.clone() {
+                    Some(v) => v,
+                    None if it.peek().is_some_and(|v| !v.starts_with("--")) => {
+                        it.next().unwrap_or_default()
+                    }
+                    None => "yes".into(),
+                })
+            }
+            "--impl" => {
+                cfg.impls = value(&mut it)?
+                    .split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                explicit_impls = true;
+            }
+            "--threads" => {
+                cfg.threads = value(&mut it)?
+                    .split(',')
+                    .map(|s| int(s.trim().to_string()))
+                    .collect::<Result<_, _>>()?;
+                if cfg.threads.contains(&0) {
+                    return Err("--threads: counts must be ≥ 1".into());
+                }
+            }
+            "--isa" => {
+                let isa: Isa = value(&mut it)?
+                    .parse()
+                    .map_err(|e: attnkit::IsaError| e.to_string())?;
+                cfg.isa = isa.check().map_err(|e| e.to_string())?;
+            }
+            "--warmup" => cfg.warmup = int(value(&mut it)?)?,
+            "--reps" => cfg.reps = int(value(&mut it)?)?.max(1),
+            "--min-time" => cfg.min_time = num(value(&mut it)?)?,
+            "--max-time" => cfg.max_time = num(value(&mut it)?)?,
+            "--seed" => cfg.seed = int(value(&mut it)?)? as u64,
+            "--naive-max" => cfg.naive_max = num(value(&mut it)?)? * 1e6,
+            "--peak" => cfg.peak = Some(num(value(&mut it)?)?),
+            "--json" => cfg.json = true,
+            "--markdown" => cfg.markdown = true,
+            "--plot" => cfg.plot = Some(value(&mut it)?),
+            "--from" => cfg.from.push(value(&mut it)?),
+            other => return Err(format!("unknown option {other:?} (see --help)")),
+        }
+    }
+    if !explicit_impls && !cfg!(feature = "blas") {
+        // Not asked for by name: leave it out quietly (the header says how to get it).
+        cfg.impls.retain(|n| n != "unfused-blas");
+    }
+    let keep = |c: &Case| -> Result<bool, String> {
+        Ok(match causal.as_deref() {
+            None | Some("both") => true,
+            Some("yes" | "true" | "1") => c.causal,
+            Some("no" | "false" | "0") => !c.causal,
+            Some(v) => return Err(format!("--causal: expected yes, no or both, got {v:?}")),
+        })
+    };
+    if !shape.is_empty() {
+        if preset.is_some() {
+            return Err(
+                "give either --preset or an explicit shape (--b/--h/--lq/…), not both".into(),
+            );
+        }
+        let h = *shape.get("h").unwrap_or(&16);
+        let lq = *shape.get("lq").or(shape.get("lk")).unwrap_or(&1024);
+        let base = Case {
+            b: *shape.get("b").unwrap_or(&1),
+            h,
+            hkv: *shape.get("hkv").unwrap_or(&h),
+            lq,
+            lk: *shape.get("lk").unwrap_or(&lq),
+            d: *shape.get("d").unwrap_or(&64),
+            causal: false,
+        };
+        if base.hkv == 0 || base.h % base.hkv != 0 {
+            return Err(format!(
+                "--h {} must be a multiple of --hkv {}",
+                base.h, base.hkv
+            ));
+        }
+        let variants: &[bool] = match causal.as_deref() {
+            None => &[false],
+            Some("both") => &[false, true],
+            _ => &[false, true],
+        };
+        for &c in variants {
+            let case = Case { causal: c, ..base };
+            if keep(&case)? {
+                cfg.cases.push(case);
+            }
+        }
+    } else if cfg.from.is_empty() {
+        let name = preset.unwrap_or_else(|| "quick".into());
+        let all = cases::preset(&name).ok_or_else(|| {
+            format!(
+                "unknown preset {name:?}; known: {}",
+                cases::PRESETS
+                    .iter()
+                    .map(|p| p.0)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })?;
+        for c in all {
+            if keep(&c)? {
+                cfg.cases.push(c);
+            }
+        }
+        cfg.preset = Some(name);
+    }
+    Ok(Some(cfg))
+}
+
+/// Median seconds of `f` after `warmup` untimed calls: at least `reps` calls and `min_time`
+/// seconds, stopping after `max_time` once 3 calls are done.
+fn measure(cfg: &Config, mut f: impl FnMut()) -> f64 {
+    for _ in 0..cfg.warmup {
+        f();
+    }
+    let mut times = Vec::new();
+    let start = Instant::now();
+    loop {
+        let t = Instant::now();
+        f();
+        times.push(t.elapsed().as_secs_f64());
+        let total = start.elapsed().as_secs_f64();
+        let enough = times.len() >= cfg.reps && total >= cfg.min_time;
+        if enough || (times.len() >= 3 && total >= cfg.max_time) || times.len() >= 10_000 {
+            break;
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let n = times.len();
+    if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        (times[n / 2 - 1] + times[n / 2]) / 2.0
+    }
+}
+
+/// FMA peak of `threads` threads: `--peak` × threads, or the probe.
+fn peak_for(cfg: &Config, threads: usize, cache: &mut BTreeMap<usize, Option<f64>>) -> Option<f64> {
+    if let Some(p) = cfg.peak {
+        return Some(p * threads as f64);
+    }
+    *cache.entry(threads).or_insert_with(|| peak::probe(threads))
+}
+
+fn main() {
+    let cfg = match parse_args(std::env::args().skip(1).collect()) {
+        Ok(Some(cfg)) => cfg,
+        Ok(None) => return,
+        Err(e) => {
+            eprintln!("attnbench: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(&cfg) {
+        eprintln!("attnbench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
+    let mut records: Vec<Record> = Vec::new();
+    let mut peaks: BTreeMap<usize, f64> = BTreeMap::new();
+    if !cfg.from.is_empty() {
+        for path in &cfg.from {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+            for (i, line) in text.lines().enumerate() {
+                let line = line.trim();
+                if line.is_empty() || line.starts_with('#') {
+                    continue;
+                }
+                records.push(Record::parse(line).map_err(|e| format!("{path}:{}: {e}", i + 1))?);
+            }
+        }
+        // Peaks implied by the records (gflops / pct_peak), for the plot's peak line.
+        for r in &records {
+            if let Some(p) = r.pct_peak.filter(|&p| p > 0.0) {
+                peaks.entry(r.threads).or_insert(r.gflops / (p / 100.0));
+            }
+        }
+        return output(cfg, &records, &peaks, false);
+    }
+
+    if cfg.preset.as_deref() == Some("layers")
+        || cfg
+            .impls
+            .iter()
+            .any(|n| impls::LAYERS.contains(&n.as_str()))
+    {
+        eprintln!(
+            "attnbench: the attention layers (mha, additive) are not implemented yet: skipped"
+        );
+    }
+    let mut chosen: Vec<Box<dyn Impl>> = Vec::new();
+    for name in &cfg.impls {
+        match impls::by_name(name, cfg.naive_max) {
+            Ok(i) => chosen.push(i),
+            Err(e) if e.contains("unknown") => return Err(e.into()),
+            Err(e) => eprintln!("attnbench: {e}"),
+        }
+    }
+    if cfg.cases.is_empty() || chosen.is_empty() {
+        eprintln!("attnbench: nothing to run");
+        return Ok(());
+    }
+
+    let mut probe_cache = BTreeMap::new();
+    let total = cfg.threads.len() * cfg.cases.len() * chosen.len();
+    let pb = if total > 1 {
+        ProgressBar::new(total as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    pb.set_style(ProgressStyle::with_template(
+        "{bar:30} {pos}/{len} [{elapsed_precise}] {msg}",
+    )?);
+    pb.enable_steady_tick(Duration::from_millis(200));
+    if !cfg.json {
+        pb.suspend(|| header(cfg, &chosen));
+    }
+    // (implementation, reason) → cases.
+    let mut skipped: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    let mut naive_done = false;
+    for &t in &cfg.threads {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
+        pb.set_message(format!("probing the FMA peak on {t} thread(s)"));
+        let peak_t = peak_for(cfg, t, &mut probe_cache);
+        if let Some(p) = peak_t {
+            peaks.insert(t, p);
+        }
+        for case in &cfg.cases {
+            let inputs = Inputs::new(case, cfg.seed);
+            let mut reference: Option<Vec<f32>> = None;
+            for imp in &chosen {
+                pb.set_message(format!("{} {case} on {t} thread(s)", imp.name()));
+                let threads = imp.threads(t);
+                // A single-threaded implementation is measured once, not per pool size.
+                if threads != t && (naive_done || cfg.threads.contains(&threads)) {
+                    pb.inc(1);
+                    continue;
+                }
+                if let Some(why) = imp.skip(case) {
+                    if t == cfg.threads[0] {
+                        skipped
+                            .entry((imp.name().to_string(), why))
+                            .or_default()
+                            .push(format!("({case})"));
+                    }
+                    pb.inc(1);
+                    continue;
+                }
+                let mut out = vec![0.0f32; case.q_len()];
+                let median =
+                    pool.install(|| measure(cfg, || imp.run(case, &inputs, &mut out, cfg.isa)));
+                // Same inputs, so every implementation must agree with the first one.
+                match &reference {
+                    None => reference = Some(out.clone()),
+                    Some(want) => {
+                        let err = out
+                            .iter()
+                            .zip(want)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0.0f32, f32::max);
+                        if err.is_nan() || err > 1e-3 {
+                            pb.suspend(|| eprintln!("attnbench: WARNING {} differs from {} on {case}: max |Δ| = {err:e}", imp.name(), chosen[0].name()));
+                        }
+                    }
+                }
+                let gflops = case.flops() / median / 1e9;
+                let peak = if threads == t {
+                    peak_t
+                } else {
+                    peak_for(cfg, threads, &mut probe_cache)
+                };
+                if let Some(p) = peak {
+                    peaks.entry(threads).or_insert(p);
+                }
+                let rec = Record {
+                    imp: imp.name().to_string(),
+                    case: *case,
+                    threads,
+                    isa: imp.isa_label(cfg.isa),
+                    median_s: median,
+                    gflops,
+                    pct_peak: peak.map(|p| 100.0 * gflops / p),
+                };
+                if cfg.json {
+                    pb.suspend(|| {
+                        let mut so = std::io::stdout().lock();
+                        let _ = writeln!(so, "{}", rec.json());
+                        let _ = so.flush();
+                    });
+                }
+                records.push(rec);
+                pb.inc(1);
+            }
+        }
+        if chosen.iter().any(|i| i.threads(t) != t) {
+            naive_done = true;
+        }
+    }
+    pb.finish_and_clear();
+    for ((name, why), cases) in &skipped {
+        eprintln!(
+            "attnbench: skipped {name} on {} case(s), {why}: {}",
+            cases.len(),
+            cases.join(" ")
+        );
+    }
+    output(cfg, &records, &peaks, cfg.json)
+}
+
+/// What the numbers mean, printed above the table.
+fn header(cfg: &Config, chosen: &[Box<dyn Impl>]) {
+    let names: Vec<&str> = chosen.iter().map(|i| i.name()).collect();
+    println!(
+        "attnbench {}: {} on {} case(s), threads {:?}, ISA {}{}",
+        cfg.preset
+            .as_deref()
+            .map_or("explicit shape".to_string(), |p| format!("preset {p}")),
+        names.join(", "),
+        cfg.cases.len(),
+        cfg.threads,
+        cfg.isa,
+        if cfg!(feature = "blas") {
+            ""
+        } else {
+            " (unfused-blas: build with --features blas)"
+        }
+    );
+    println!(
+        "median of ≥{} calls and ≥{}s after {} warm-up call(s); GFLOP/s = 4·B·H·Lq·Lk·D / median (½ if causal and Lq = Lk); \
+         % peak vs the {} FMA peak of the same thread count; KV GB/s = bytes of K and V / median",
+        cfg.reps,
+        cfg.min_time,
+        cfg.warmup,
+        if cfg.peak.is_some() { "given (--peak)" } else { "probed" }
+    );
+}
+
+fn output(
+    cfg: &Config,
+    records: &[Record],
+    peaks: &BTreeMap<usize, f64>,
+    json_done: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    if cfg.json && !json_done {
+        for r in records {
+            println!("{}", r.json());
+        }
+    }
+    if cfg.markdown {
+        print!("{}", report::markdown(records));
+    } else if !cfg.json {
+        if !peaks.is_empty() {
+            let p: Vec<String> = peaks
+                .iter()
+                .map(|(t, g)| format!("{t} thread(s) {g:.0} GFLOP/s"))
+                .collect();
+            let how = if cfg.peak.is_some() || !cfg.from.is_empty() {
+                "given".to_string()
+            } else {
+                format!(
+                    "probe: {}, {} independent chains per thread, best of 8",
+                    peak::describe(),
+                    12
+                )
+            };
+            println!("FMA peak ({how}): {}", p.join(", "));
+        }
+        print!("{}", report::table(records));
+    }
+    if let Some(path) = &cfg.plot {
+        plot::plot(path, records, peaks)?;
+        eprintln!("attnbench: wrote {path}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn default_is_the_quick_preset() {
+        let cfg = parse_args(vec![]).unwrap().unwrap();
+        assert_eq!(cfg.cases, cases::preset("quick").unwrap());
+        assert!(!cfg.json);
+    }
+
+    #[test]
+    fn explicit_shape() {
+        let cfg = parse_args(args(
+            "--b 2 --h 8 --hkv 2 --lq 1 --lk 4096 --d 128 --threads 1,2 --json",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            cfg.cases,
+            vec![Case {
+                b: 2,
+                h: 8,
+                hkv: 2,
+                lq: 1,
+                lk: 4096,
+                d: 128,
+                causal: false
+            }]
+        );
+        assert_eq!(cfg.threads, vec![1, 2]);
+        let cfg = parse_args(args("--lq 64 --causal")).unwrap().unwrap();
+        assert!(cfg.cases.len() == 1 && cfg.cases[0].causal && cfg.cases[0].lk == 64);
+        let cfg = parse_args(args("--lq=64 --causal=both")).unwrap().unwrap();
+        assert_eq!(cfg.cases.len(), 2);
+    }
+
+    #[test]
+    fn preset_filter_and_errors() {
+        let cfg = parse_args(args("--preset core --causal no"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(cfg.cases.len(), 6);
+        assert!(parse_args(args("--preset nope")).is_err());
+        assert!(parse_args(args("--preset core --lq 5")).is_err());
+        assert!(parse_args(args("--h 6 --hkv 4")).is_err());
+        assert!(parse_args(args("--threads 0")).is_err());
+        assert!(parse_args(args("--frobnicate")).is_err());
+    }
+}
