@@ -8,6 +8,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+mod decode;
 mod flash;
 mod gemm;
 mod heads;
@@ -17,6 +18,9 @@ mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
 
+pub use decode::{
+    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
+};
 pub use flash::{key_block, scratch_len, CausalOffset, FlashArgs};
 pub use heads::{merge_heads, split_heads};
 pub use isa::{Isa, IsaError};
@@ -65,6 +69,7 @@ macro_rules! isa_fn {
 }
 
 isa_fn!(flash_isa(args: &FlashArgs, scratch: &mut [f32]) => flash::forward);
+isa_fn!(decode_isa(args: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) => decode::decode);
 isa_fn!(exp_scale_isa(x: &mut [f32], m: f32, k: f32) => flash::exp_scale);
 isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32,
     ldb: usize, c: *mut f32, ldc: usize, acc: Accum) => gemm::block);
@@ -85,6 +90,21 @@ pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
     assert!(scratch.len() >= scratch_len(args.m, args.d, args.dv), "flash scratch too short");
     // SAFETY: forwarded contract.
     unsafe { flash_isa(isa, args, scratch) }
+}
+
+/// Decode attention over one key range for a group of rows sharing K and V (see
+/// [`DecodeArgs`]): writes each row's partial `[m, l, o…]` (base-2 max, sum, unnormalised output;
+/// [`partial_len`] floats) at `partial + r*ldp`. Combine partials with [`merge_partials`].
+///
+/// # Safety
+/// * `isa.is_supported()`;
+/// * K and V rows `< j_end` and every row's `q` (`d` values), `bias`/`mask` (indices `< j_end`)
+///   are readable; `partial` is writable at `r*ldp + [0, dv+2)` for every row and overlaps no
+///   input; `scratch.len() ≥ decode_scratch_len(d, dv)`.
+pub unsafe fn decode_partial(isa: Isa, args: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) {
+    assert!(scratch.len() >= decode_scratch_len(args.d, args.dv), "decode scratch too short");
+    // SAFETY: forwarded contract.
+    unsafe { decode_isa(isa, args, partial, ldp, scratch) }
 }
 
 /// Vectorised `x ← 2^x` (see the accuracy note on [`reference::exp2`]): ≤ 3 ulp on

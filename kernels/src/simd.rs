@@ -26,9 +26,7 @@ pub(crate) trait Simd: Copy {
     unsafe fn round(a: Self::V) -> Self::V;
     /// `2^n` for lanes holding integers in [-127, 127]; -127 gives +0.0 (flush to zero).
     unsafe fn pow2i(n: Self::V) -> Self::V;
-    #[allow(dead_code)] // kept for row-at-a-time (decode) kernels
     unsafe fn hsum(a: Self::V) -> f32;
-    #[allow(dead_code)]
     unsafe fn hmax(a: Self::V) -> f32;
 }
 

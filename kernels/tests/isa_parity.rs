@@ -241,3 +241,87 @@ fn split_then_merge_heads_round_trips() {
         assert_eq!(x, z);
     }
 }
+
+/// Decode kernel: a group of rows over a key range, split into chunks and merged, against the
+/// f64 reference.
+#[test]
+fn decode_partials_merge_to_reference() {
+    use attnkit_kernels::{decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow};
+    let mut rng = SmallRng::seed_from_u64(4);
+    for isa in isas() {
+        for case in 0..60 {
+            let rows_n = 1 + case % 11; // crosses DECODE_MAX_ROWS
+            let n = [1usize, 5, 31, 32, 33, 200, 777][case % 7];
+            let d = [1usize, 3, 16, 24, 64, 80, 128, 256][case % 8];
+            let dv = [1usize, 7, 16, 64, 128, 17][(case / 3) % 6];
+            let (ldk, ldv) = (d + 1, dv + 2);
+            let k: Vec<f32> = (0..n * ldk).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let v: Vec<f32> = (0..n * ldv).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let q: Vec<f32> = (0..rows_n * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let bias: Vec<f32> = (0..rows_n * n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let mask: Vec<bool> = (0..rows_n * n).map(|_| rng.gen_bool(0.8)).collect();
+            let (use_bias, use_mask) = (case % 4 == 1, case % 5 == 2);
+            let rows: Vec<DecodeRow> = (0..rows_n)
+                .map(|r| {
+                    let hi = if case % 3 == 0 { n } else { rng.gen_range(0..=n) };
+                    let lo = if case % 6 == 5 { rng.gen_range(0..=hi) } else { 0 };
+                    DecodeRow {
+                        q: q[r * d..].as_ptr(),
+                        hi,
+                        lo,
+                        bias: if use_bias { bias[r * n..].as_ptr() } else { std::ptr::null() },
+                        mask: if use_mask { mask[r * n..].as_ptr() } else { std::ptr::null() },
+                    }
+                })
+                .collect();
+            let scale = 1.0 / (d as f32).sqrt();
+            let chunks = 1 + case % 4;
+            let step = n.div_ceil(chunks);
+            let pl = partial_len(dv);
+            let mut parts = vec![f32::NAN; chunks * rows_n * pl];
+            let mut scratch = vec![0.0; decode_scratch_len(d, dv)];
+            for c in 0..chunks {
+                let args = DecodeArgs {
+                    rows: &rows,
+                    d,
+                    dv,
+                    k: k.as_ptr(),
+                    ldk,
+                    v: v.as_ptr(),
+                    ldv,
+                    j_begin: (c * step).min(n),
+                    j_end: ((c + 1) * step).min(n),
+                    scale,
+                };
+                // SAFETY: buffers cover every extent in `args`; the ISA is supported.
+                unsafe { decode_partial(isa, &args, parts[c * rows_n * pl..].as_mut_ptr(), pl, &mut scratch) };
+            }
+            for r in 0..rows_n {
+                let ps: Vec<&[f32]> = (0..chunks).map(|c| &parts[(c * rows_n + r) * pl..][..pl]).collect();
+                let mut out = vec![0.0; dv];
+                let lse = merge_partials(&ps, &mut out);
+                let row = rows[r];
+                let (want, want_lse, _) = reference::attention_head(
+                    1,
+                    n,
+                    dv,
+                    |_, j| {
+                        if j < row.lo || j >= row.hi || (use_mask && !mask[r * n + j]) {
+                            return None;
+                        }
+                        let dot: f64 = (0..d).map(|p| q[r * d + p] as f64 * k[j * ldk + p] as f64).sum();
+                        Some(dot * scale as f64 + if use_bias { bias[r * n + j] as f64 } else { 0.0 })
+                    },
+                    |j, c| v[j * ldv + c] as f64,
+                );
+                let ctx = format!("{isa} case {case} row {r}: n={n} d={d} dv={dv} chunks={chunks}");
+                for c in 0..dv {
+                    let (g, w) = (out[c] as f64, want[c]);
+                    assert!((g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "{ctx}: out[{c}] {g} vs {w}");
+                }
+                let (g, w) = (lse as f64, want_lse[0]);
+                assert!(g == w || (g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "{ctx}: lse {g} vs {w}");
+            }
+        }
+    }
+}

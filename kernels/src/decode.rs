@@ -1,0 +1,280 @@
+//! Decode attention: a few query rows (new tokens × the query heads sharing one KV head) against a
+//! range of a long key/value cache.
+//!
+//! The shape is memory-bound, so the kernel is built to read each K and V row exactly once, whole
+//! and contiguously, for all the rows of the group (GQA grouping): lanes run along the head
+//! dimension, a key's score for every row is a dot product reduced once, and `O += p·V` keeps one
+//! accumulator per row in registers while a V row chunk is loaded once. The result is a *partial*
+//! `(m, l, O)` (base-2 running max, sum, unnormalised output) for the key range, so a long cache
+//! can be cut into chunks processed in parallel and merged exactly ([`merge_partials`]).
+
+use crate::simd::{exp2, Simd};
+
+const LOG2E: f32 = core::f32::consts::LOG2_E;
+
+/// Keys per block of the decode loop: one block of K and V rows stays in L1.
+pub const DECODE_KEY_BLOCK: usize = 32;
+
+/// Rows one kernel call handles at most (more are processed in several passes by the caller).
+pub const DECODE_MAX_ROWS: usize = 8;
+
+/// One query row of a decode group.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeRow {
+    /// The query vector (`d` values).
+    pub q: *const f32,
+    /// First key this row cannot see (`min(key_len, causal limit)`), exclusive.
+    pub hi: usize,
+    /// First key this row can see (sliding window), inclusive.
+    pub lo: usize,
+    /// Additive bias for this row, indexed by key (`n` values), or null.
+    pub bias: *const f32,
+    /// Boolean mask (true = attend) for this row, indexed by key, or null.
+    pub mask: *const bool,
+}
+
+/// A group of rows sharing K and V, and the key range `[j_begin, j_end)` to process.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeArgs<'a> {
+    /// The rows (at most [`DECODE_MAX_ROWS`]).
+    pub rows: &'a [DecodeRow],
+    /// Head dimension of Q and K.
+    pub d: usize,
+    /// Head dimension of V.
+    pub dv: usize,
+    /// Key row `j` at `k + j*ldk`.
+    pub k: *const f32,
+    /// Row stride of K.
+    pub ldk: usize,
+    /// Value row `j` at `v + j*ldv`.
+    pub v: *const f32,
+    /// Row stride of V.
+    pub ldv: usize,
+    /// First key of the range.
+    pub j_begin: usize,
+    /// End of the key range (exclusive).
+    pub j_end: usize,
+    /// Softmax scale.
+    pub scale: f32,
+}
+
+/// Floats of one row's partial result: `[m, l, o_0 … o_{dv−1}]`.
+pub const fn partial_len(dv: usize) -> usize {
+    dv + 2
+}
+
+/// Scratch floats [`crate::decode_partial`] needs.
+pub fn decode_scratch_len(d: usize, dv: usize) -> usize {
+    let r = DECODE_MAX_ROWS;
+    r * d.div_ceil(16) * 16 + r * dv.div_ceil(16) * 16 + r * DECODE_KEY_BLOCK
+}
+
+/// The decode kernel for `R` rows.
+///
+/// # Safety
+/// Pointers in `args` valid for the extents they describe (K/V rows `< j_end`, `d`/`dv` columns;
+/// bias/mask entries `< j_end`); `partial` writable at `r*ldp + [0, dv+2)` for each row;
+/// `scratch.len() ≥ decode_scratch_len(d, dv)`; the ISA of `S` is enabled.
+#[inline(always)]
+unsafe fn decode_rows<S: Simd, const R: usize>(a: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) {
+    let w = S::W;
+    let (d, dv) = (a.d, a.dv);
+    let dp = d.div_ceil(w) * w;
+    let dvp = dv.div_ceil(w) * w;
+    const KB: usize = DECODE_KEY_BLOCK;
+    let (qbuf, rest) = scratch.split_at_mut(R * dp);
+    let (obuf, rest) = rest.split_at_mut(R * dvp);
+    let sbuf = &mut rest[..R * KB];
+    let rows = &a.rows[..R];
+    let mut m = [f32::NEG_INFINITY; R];
+    let mut l = [0.0f32; R];
+    let qscale = a.scale * LOG2E;
+    let (dfull, dvfull) = (d / w * w, dv / w * w);
+
+    // SAFETY (whole body): all accesses are inside the extents of the contract above; scratch
+    // slices were split to their sizes; `dp`, `dvp`, `KB` are lane multiples.
+    unsafe {
+        qbuf.fill(0.0);
+        obuf.fill(0.0);
+        for (r, row) in rows.iter().enumerate() {
+            for p in 0..d {
+                qbuf[r * dp + p] = *row.q.add(p) * qscale;
+            }
+        }
+        let jlo = rows.iter().map(|r| r.lo).min().unwrap_or(0).max(a.j_begin);
+        let jhi = rows.iter().map(|r| r.hi).max().unwrap_or(0).min(a.j_end);
+        let mut jb = jlo;
+        while jb < jhi {
+            let nk = KB.min(jhi - jb);
+            // Scores: one dot product per (row, key), two accumulators to halve the FMA chain.
+            for jj in 0..nk {
+                let kp = a.k.add((jb + jj) * a.ldk);
+                let mut acc0 = [S::splat(0.0); R];
+                let mut acc1 = [S::splat(0.0); R];
+                let mut c = 0;
+                while c + 2 * w <= dfull {
+                    let k0 = S::load(kp.add(c));
+                    let k1 = S::load(kp.add(c + w));
+                    for r in 0..R {
+                        acc0[r] = S::fma(S::load(qbuf.as_ptr().add(r * dp + c)), k0, acc0[r]);
+                        acc1[r] = S::fma(S::load(qbuf.as_ptr().add(r * dp + c + w)), k1, acc1[r]);
+                    }
+                    c += 2 * w;
+                }
+                if c < dfull {
+                    let k0 = S::load(kp.add(c));
+                    for r in 0..R {
+                        acc0[r] = S::fma(S::load(qbuf.as_ptr().add(r * dp + c)), k0, acc0[r]);
+                    }
+                }
+                for r in 0..R {
+                    let mut s = S::hsum(S::add(acc0[r], acc1[r]));
+                    for p in dfull..d {
+                        s += qbuf[r * dp + p] * *kp.add(p);
+                    }
+                    sbuf[r * KB + jj] = s;
+                }
+            }
+            // Masks, then the online-softmax step per row.
+            for (r, row) in rows.iter().enumerate() {
+                let srow = &mut sbuf[r * KB..(r + 1) * KB];
+                for (jj, x) in srow[..nk].iter_mut().enumerate() {
+                    let j = jb + jj;
+                    if j < row.lo || j >= row.hi || (!row.mask.is_null() && !*row.mask.add(j)) {
+                        *x = f32::NEG_INFINITY;
+                    } else if !row.bias.is_null() {
+                        *x += *row.bias.add(j) * LOG2E;
+                    }
+                }
+                srow[nk..].fill(f32::NEG_INFINITY);
+                let mut mx = S::splat(f32::NEG_INFINITY);
+                for c in (0..KB).step_by(w) {
+                    mx = S::max(mx, S::load(srow.as_ptr().add(c)));
+                }
+                let blk = S::hmax(mx);
+                let m_new = if blk > m[r] || blk.is_nan() { blk } else { m[r] };
+                // Exponentiate against a finite stand-in while nothing is visible (see flash.rs).
+                let m_use = if m_new == f32::NEG_INFINITY { -f32::MAX } else { m_new };
+                let al = (m[r] - m_use).exp2();
+                let mu = S::splat(m_use);
+                let mut sum = S::splat(0.0);
+                for c in (0..KB).step_by(w) {
+                    let e = exp2::<S>(S::sub(S::load(srow.as_ptr().add(c)), mu));
+                    S::store(srow.as_mut_ptr().add(c), e);
+                    sum = S::add(sum, e);
+                }
+                l[r] = l[r] * al + S::hsum(sum);
+                if al != 1.0 {
+                    let av = S::splat(al);
+                    for c in (0..dvp).step_by(w) {
+                        let p = obuf.as_mut_ptr().add(r * dvp + c);
+                        S::store(p, S::mul(S::load(p), av));
+                    }
+                }
+                m[r] = m_new;
+            }
+            // O += P·V: V chunk loaded once per key for all rows.
+            let mut c = 0;
+            while c < dvfull {
+                let mut acc = [S::splat(0.0); R];
+                for r in 0..R {
+                    acc[r] = S::load(obuf.as_ptr().add(r * dvp + c));
+                }
+                for jj in 0..nk {
+                    let vv = S::load(a.v.add((jb + jj) * a.ldv + c));
+                    for r in 0..R {
+                        acc[r] = S::fma(S::splat(sbuf[r * KB + jj]), vv, acc[r]);
+                    }
+                }
+                for r in 0..R {
+                    S::store(obuf.as_mut_ptr().add(r * dvp + c), acc[r]);
+                }
+                c += w;
+            }
+            for jj in 0..nk {
+                let vp = a.v.add((jb + jj) * a.ldv);
+                for r in 0..R {
+                    let p = sbuf[r * KB + jj];
+                    for c in dvfull..dv {
+                        obuf[r * dvp + c] += p * *vp.add(c);
+                    }
+                }
+            }
+            jb += nk;
+        }
+        for r in 0..R {
+            let out = partial.add(r * ldp);
+            *out = m[r];
+            *out.add(1) = l[r];
+            core::ptr::copy_nonoverlapping(obuf.as_ptr().add(r * dvp), out.add(2), dv);
+        }
+    }
+}
+
+/// Runs [`decode_rows`] for `args.rows.len()` rows, in passes of up to [`DECODE_MAX_ROWS`].
+///
+/// # Safety
+/// As [`decode_rows`].
+#[inline(always)]
+pub(crate) unsafe fn decode<S: Simd>(a: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) {
+    let mut r0 = 0;
+    while r0 < a.rows.len() {
+        let n = DECODE_MAX_ROWS.min(a.rows.len() - r0);
+        let sub = DecodeArgs { rows: &a.rows[r0..r0 + n], ..*a };
+        // SAFETY: forwarded contract; the row subset and its partial rows stay in bounds.
+        unsafe {
+            let p = partial.add(r0 * ldp);
+            match n {
+                1 => decode_rows::<S, 1>(&sub, p, ldp, scratch),
+                2 => decode_rows::<S, 2>(&sub, p, ldp, scratch),
+                3 => decode_rows::<S, 3>(&sub, p, ldp, scratch),
+                4 => decode_rows::<S, 4>(&sub, p, ldp, scratch),
+                5 => decode_rows::<S, 5>(&sub, p, ldp, scratch),
+                6 => decode_rows::<S, 6>(&sub, p, ldp, scratch),
+                7 => decode_rows::<S, 7>(&sub, p, ldp, scratch),
+                _ => decode_rows::<S, 8>(&sub, p, ldp, scratch),
+            }
+        }
+        r0 += n;
+    }
+}
+
+/// Merges partial results `[m, l, o…]` (base-2 max, sum, unnormalised output) of one row over
+/// disjoint key ranges, exactly: `m = max mᵢ`, `l = Σ lᵢ·2^(mᵢ−m)`, `o = Σ oᵢ·2^(mᵢ−m) / l`.
+/// Writes the normalised output (`dv` values) and returns the natural-log logsumexp (−inf and a
+/// zero output if no part saw a key). Parts are combined in order, so the result is
+/// deterministic.
+pub fn merge_partials(parts: &[&[f32]], out: &mut [f32]) -> f32 {
+    let dv = out.len();
+    let mut mx = f32::NEG_INFINITY;
+    for p in parts {
+        debug_assert!(p.len() >= dv + 2, "partial too short");
+        if p[0] > mx || p[0].is_nan() {
+            mx = p[0];
+        }
+    }
+    out.fill(0.0);
+    if mx == f32::NEG_INFINITY {
+        return f32::NEG_INFINITY;
+    }
+    let mut l = 0.0f32;
+    for p in parts {
+        if p[1] == 0.0 {
+            continue;
+        }
+        let f = (p[0] - mx).exp2();
+        l += p[1] * f;
+        for (o, x) in out.iter_mut().zip(&p[2..2 + dv]) {
+            *o += x * f;
+        }
+    }
+    if l == 0.0 {
+        out.fill(0.0);
+        return f32::NEG_INFINITY;
+    }
+    let inv = 1.0 / l;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+    (mx + l.log2()) * core::f32::consts::LN_2
+}
