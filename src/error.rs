@@ -56,6 +56,17 @@ pub enum AttnError {
         /// The key sequence length `Lk`.
         lk: usize,
     },
+    /// Appending would overflow a KV cache sequence.
+    Capacity {
+        /// Batch index.
+        batch: usize,
+        /// Tokens it holds.
+        len: usize,
+        /// Tokens being appended.
+        append: usize,
+        /// Tokens it can hold.
+        capacity: usize,
+    },
     /// A product of sizes overflows `usize`.
     Overflow {
         /// The argument whose extent overflows.
@@ -91,6 +102,10 @@ impl fmt::Display for AttnError {
             AttnError::KeyLength { batch, len, lk } => {
                 write!(f, "`key_lengths[{batch}]` is {len}, larger than Lk = {lk}")
             }
+            AttnError::Capacity { batch, len, append, capacity } => write!(
+                f,
+                "KV cache sequence {batch} holds {len} tokens; appending {append} exceeds its capacity {capacity}"
+            ),
             AttnError::Overflow { arg } => write!(f, "`{arg}`: size overflows usize"),
             AttnError::BadParam { arg, reason } => write!(f, "`{arg}`: {reason}"),
             AttnError::Isa(e) => write!(f, "{e}"),

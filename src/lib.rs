@@ -11,8 +11,11 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+mod decode;
 mod error;
 mod heads;
+mod kv_cache;
+mod merge;
 mod gemm;
 mod options;
 mod scratch;
@@ -23,7 +26,9 @@ mod view;
 pub use attnkit_kernels::{Isa, IsaError};
 pub use error::{AttnError, Result};
 pub use heads::{merge_heads, split_heads};
-pub use options::{AttnMask, Causal, Extras, MaskRef, Par, SdpaOptions};
+pub use kv_cache::KvCache;
+pub use merge::{merge, Partial};
+pub use options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
 pub use sdpa::{sdpa, sdpa_ext, sdpa_vec};
 pub use view::{Layout, Tensor, TensorMut};
 

@@ -52,6 +52,22 @@ pub enum Par {
     Rayon,
 }
 
+/// Which kernel computes a call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Path {
+    /// Chosen from the shape: [`Path::Decode`] when the query rows that share one KV head
+    /// (`Lq · Hq/Hkv`) are few and no weights are asked for, else [`Path::Prefill`].
+    #[default]
+    Auto,
+    /// The tiled flash kernel: queries on the SIMD axis, parallel over (batch, head, query block).
+    Prefill,
+    /// The decode kernel: the query heads of a GQA group processed together so K and V are read
+    /// once per group, and long key ranges split into chunks processed in parallel and merged by
+    /// logsumexp (split-KV). The split depends on the shape only, so results do not depend on the
+    /// thread count. Cannot produce attention weights (asking for them selects `Prefill`).
+    Decode,
+}
+
 /// Options of [`crate::sdpa`]. Built with [`SdpaOptions::new`] and the chained setters.
 ///
 /// ```
@@ -68,8 +84,15 @@ pub struct SdpaOptions<'a> {
     pub causal: Option<Causal>,
     /// A boolean or additive mask.
     pub mask: Option<AttnMask<'a>>,
-    /// Per-batch valid key counts: keys `j ≥ key_lengths[b]` are masked (key padding).
+    /// Per-batch valid key counts: keys `j ≥ key_lengths[b]` are masked (key padding). With
+    /// [`Causal::BottomRight`] the diagonal is aligned to each batch's own length (query `i`
+    /// sees `j ≤ i + key_lengths[b] − Lq`), as a ragged KV cache needs.
     pub key_lengths: Option<&'a [usize]>,
+    /// Sliding window (needs `causal`): each query sees only the `window` most recent keys up to
+    /// its diagonal, i.e. `j > i + offset − window`.
+    pub window: Option<usize>,
+    /// Kernel choice; [`Path::Auto`] by default.
+    pub path: Path,
     /// The code path; `None` means [`Isa::detect`] (honours `ATTNKIT_ISA`).
     pub isa: Option<Isa>,
     /// Threading.
@@ -104,6 +127,16 @@ impl<'a> SdpaOptions<'a> {
     /// Sets per-batch key lengths.
     pub fn key_lengths(mut self, lens: &'a [usize]) -> Self {
         self.key_lengths = Some(lens);
+        self
+    }
+    /// Sets a sliding window (with causal masking).
+    pub fn window(mut self, window: usize) -> Self {
+        self.window = Some(window);
+        self
+    }
+    /// Forces a kernel.
+    pub fn path(mut self, path: Path) -> Self {
+        self.path = path;
         self
     }
     /// Forces a code path.

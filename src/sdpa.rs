@@ -2,7 +2,7 @@
 //! kernel.
 
 use crate::error::{AttnError, Result};
-use crate::options::{AttnMask, Causal, Extras, MaskRef, Par, SdpaOptions};
+use crate::options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
 use crate::scratch::with_scratch;
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
 use attnkit_kernels::{flash_forward, scratch_len, FlashArgs, Isa};
@@ -15,6 +15,15 @@ const Q_BLOCK: usize = 96;
 /// Below this many multiply-adds a call runs on the calling thread: a rayon round trip costs
 /// more than it saves.
 const PAR_MIN_WORK: usize = 1 << 20;
+
+/// Query rows per KV head up to which the decode kernel beats the tiled one (measured, see
+/// BENCHMARKS.md): it reads K and V once per group but reduces each score horizontally.
+const DECODE_MAX_GROUP_ROWS: usize = 8;
+
+/// Whether [`Path::Auto`] picks the decode kernel for `lq` queries × `group` heads per KV head.
+fn decode_suits(lq: usize, group: usize, lk: usize) -> bool {
+    lq * group <= DECODE_MAX_GROUP_ROWS && lk >= lq
+}
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + mask)·V`, written into `out`.
 ///
@@ -102,7 +111,9 @@ pub(crate) struct Plan {
     pub(crate) isa: Isa,
     pub(crate) shape: Shape,
     pub(crate) scale: f32,
-    pub(crate) causal: Option<isize>,
+    pub(crate) causal: Option<Causal>,
+    pub(crate) window: Option<usize>,
+    pub(crate) path: Path,
     pub(crate) q: *const f32,
     pub(crate) qs: [usize; 3],
     pub(crate) k: *const f32,
@@ -174,6 +185,7 @@ impl Plan {
         opts: &SdpaOptions,
         extras: &mut Extras,
     ) -> Result<Plan> {
+        let extras_weights = extras.weights.is_some();
         let isa = match opts.isa {
             Some(isa) => isa.check()?,
             None => Isa::detect()?,
@@ -204,10 +216,17 @@ impl Plan {
         if !scale.is_finite() {
             return Err(AttnError::BadParam { arg: "scale", reason: "must be finite" });
         }
-        let causal = match opts.causal {
-            None => None,
-            Some(Causal::TopLeft) => Some(0),
-            Some(Causal::BottomRight) => Some(lk as isize - lq as isize),
+        if opts.window.is_some() && opts.causal.is_none() {
+            return Err(AttnError::BadParam { arg: "window", reason: "a sliding window needs causal masking" });
+        }
+        if opts.window == Some(0) {
+            return Err(AttnError::BadParam { arg: "window", reason: "must be at least 1" });
+        }
+        // The decode kernel cannot produce weights.
+        let path = match opts.path {
+            Path::Decode if !extras_weights => Path::Decode,
+            Path::Auto if !extras_weights && decode_suits(lq, hq / hkv.max(1), lk) => Path::Decode,
+            _ => Path::Prefill,
         };
         let (mut bias, mut mask) = (None, None);
         match &opts.mask {
@@ -244,7 +263,9 @@ impl Plan {
             isa,
             shape,
             scale,
-            causal,
+            causal: opts.causal,
+            window: opts.window,
+            path,
             q: q.data.as_ptr(),
             qs: zero_if(d == 0, q.strides),
             k: k.data.as_ptr(),
@@ -274,6 +295,9 @@ impl Plan {
         if n == 0 {
             return;
         }
+        if self.path == Path::Decode {
+            return self.run_decode(par);
+        }
         self.for_each(par, n, |t| self.task(t));
     }
 
@@ -300,6 +324,28 @@ impl Plan {
         b * st[0] + h * st[1] + r * st[2]
     }
 
+    /// Causal offset of batch `b`: key `j` visible to query `i` iff `j ≤ i + offset`.
+    pub(crate) fn causal_off(&self, b: usize) -> Option<isize> {
+        self.causal.map(|c| match c {
+            Causal::TopLeft => 0,
+            Causal::BottomRight => self.key_len(b) as isize - self.shape.lq as isize,
+        })
+    }
+
+    /// Visible key range `[lo, hi)` of query row `i` of batch `b` (key length, causality, window).
+    pub(crate) fn key_range(&self, b: usize, i: usize) -> (usize, usize) {
+        let mut hi = self.key_len(b);
+        let mut lo = 0;
+        if let Some(off) = self.causal_off(b) {
+            let diag = i as isize + off + 1;
+            hi = hi.min(diag.max(0) as usize);
+            if let Some(w) = self.window {
+                lo = (diag - w as isize).max(0) as usize;
+            }
+        }
+        (lo.min(hi), hi)
+    }
+
     /// Valid key count of batch `b`.
     pub(crate) fn key_len(&self, b: usize) -> usize {
         match self.key_lengths {
@@ -322,6 +368,7 @@ impl Plan {
         let m = Q_BLOCK.min(s.lq - row0);
         let off3 = Plan::off;
         let key_len = self.key_len(b);
+        let causal = self.causal_off(b);
         // SAFETY (pointer offsets below): every offset addresses an element inside its buffer,
         // as validated by `check_len` / the dense-length checks in `Plan::new`.
         let args = unsafe {
@@ -333,7 +380,8 @@ impl Plan {
                 row0,
                 scale: self.scale,
                 key_len,
-                causal: self.causal,
+                causal,
+                window: self.window,
                 q: self.q.add(off3(self.qs, b, h, row0)),
                 ldq: self.qs[2],
                 k: self.k.add(off3(self.ks, b, hk, 0)),

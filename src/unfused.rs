@@ -84,7 +84,6 @@ fn head(p: &Plan, bh: usize, backend: Backend) {
         return;
     }
     let hk = h / (s.hq / s.hkv);
-    let key_len = p.key_len(b);
     with_scratch(s.lq * s.lk, |sc| {
         // SAFETY: offsets and extents were validated by `Plan::new`; this head's output rows are
         // disjoint from every other head's; `sc` holds Lq·Lk elements.
@@ -114,10 +113,7 @@ fn head(p: &Plan, bh: usize, backend: Backend) {
             );
             for i in 0..lq {
                 let row = &mut sc[i * lk..(i + 1) * lk];
-                let mut lim = key_len;
-                if let Some(off) = p.causal {
-                    lim = lim.min((i as isize + off + 1).clamp(0, lk as isize) as usize);
-                }
+                let (lo, lim) = p.key_range(b, i);
                 if let Some(m) = p.bias {
                     let bias = m.ptr.add(Plan::off(m.strides, b, h, i));
                     for (j, x) in row.iter_mut().enumerate() {
@@ -133,6 +129,7 @@ fn head(p: &Plan, bh: usize, backend: Backend) {
                     }
                 }
                 row[lim.min(lk)..].fill(f32::NEG_INFINITY);
+                row[..lo.min(lk)].fill(f32::NEG_INFINITY);
                 softmax_row(p.isa, row);
             }
             if lk == 0 {

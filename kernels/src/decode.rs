@@ -241,16 +241,23 @@ pub(crate) unsafe fn decode<S: Simd>(a: &DecodeArgs, partial: *mut f32, ldp: usi
 
 /// Merges partial results `[m, l, o…]` (base-2 max, sum, unnormalised output) of one row over
 /// disjoint key ranges, exactly: `m = max mᵢ`, `l = Σ lᵢ·2^(mᵢ−m)`, `o = Σ oᵢ·2^(mᵢ−m) / l`.
-/// Writes the normalised output (`dv` values) and returns the natural-log logsumexp (−inf and a
-/// zero output if no part saw a key). Parts are combined in order, so the result is
-/// deterministic.
-pub fn merge_partials(parts: &[&[f32]], out: &mut [f32]) -> f32 {
+/// Part `i` is `parts[i·stride ..][.. out.len() + 2]`. Writes the normalised output and returns
+/// the natural-log logsumexp (−inf and a zero output if no part saw a key). Parts are combined in
+/// order, so the result is deterministic.
+///
+/// # Panics
+/// If `parts` is shorter than `(count − 1)·stride + out.len() + 2`.
+pub fn merge_partials(parts: &[f32], stride: usize, count: usize, out: &mut [f32]) -> f32 {
     let dv = out.len();
+    if count > 0 {
+        assert!(parts.len() >= (count - 1) * stride + dv + 2, "merge_partials: parts too short");
+    }
+    let part = |i: usize| &parts[i * stride..i * stride + dv + 2];
     let mut mx = f32::NEG_INFINITY;
-    for p in parts {
-        debug_assert!(p.len() >= dv + 2, "partial too short");
-        if p[0] > mx || p[0].is_nan() {
-            mx = p[0];
+    for i in 0..count {
+        let m = part(i)[0];
+        if m > mx || m.is_nan() {
+            mx = m;
         }
     }
     out.fill(0.0);
@@ -258,13 +265,14 @@ pub fn merge_partials(parts: &[&[f32]], out: &mut [f32]) -> f32 {
         return f32::NEG_INFINITY;
     }
     let mut l = 0.0f32;
-    for p in parts {
+    for i in 0..count {
+        let p = part(i);
         if p[1] == 0.0 {
             continue;
         }
         let f = (p[0] - mx).exp2();
         l += p[1] * f;
-        for (o, x) in out.iter_mut().zip(&p[2..2 + dv]) {
+        for (o, x) in out.iter_mut().zip(&p[2..]) {
             *o += x * f;
         }
     }

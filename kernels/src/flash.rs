@@ -40,6 +40,9 @@ pub struct FlashArgs {
     pub key_len: usize,
     /// Causal mask, if any.
     pub causal: Option<CausalOffset>,
+    /// Sliding window (needs `causal`): key `j` is visible to row `r` only if
+    /// `j > row0 + r + offset − window`, i.e. the `window` most recent keys up to the diagonal.
+    pub window: Option<usize>,
     /// Q rows: element `(r, p)` at `q + r*ldq + p`.
     pub q: *const f32,
     /// Row stride of Q.
@@ -124,8 +127,16 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
         }
         lim
     };
-    // Causal limits grow with r, so the last row bounds the key loop.
+    // First visible key of row r (sliding window).
+    let lower = |r: usize| -> usize {
+        match (a.window, a.causal) {
+            (Some(w), Some(off)) => ((a.row0 + r) as isize + off + 1 - w as isize).max(0) as usize,
+            _ => 0,
+        }
+    };
+    // Both limits grow with r: the last row bounds the key loop above, the first below.
     let kmax = limit(m - 1);
+    let kmin = lower(0).min(kmax);
 
     // SAFETY (whole body): reads and writes stay inside the extents `args` describes and the
     // scratch slices split above; the ISA is enabled per this function's contract.
@@ -142,7 +153,7 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
         mrow.fill(f32::NEG_INFINITY);
         lrow.fill(0.0);
 
-        let mut j0 = 0;
+        let mut j0 = kmin;
         let mut first = true;
         while j0 < kmax {
             let nb = nb_max.min(kmax - j0);
@@ -184,9 +195,11 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
         if !a.weights.is_null() {
             for r in 0..m {
                 let wrow = core::slice::from_raw_parts_mut(a.weights.add(r * a.ldw), a.n);
-                // Keys past the loop bound were never written: they are masked for this row.
-                let (done, rest) = wrow.split_at_mut(kmax);
+                // Keys outside the loop bounds were never written: they are masked for this row.
+                let (head, rest) = wrow.split_at_mut(kmax);
                 rest.fill(0.0);
+                let (before, done) = head.split_at_mut(kmin);
+                before.fill(0.0);
                 if lrow[r] == 0.0 {
                     done.fill(0.0);
                 } else {
@@ -213,6 +226,11 @@ unsafe fn mask_block(a: &FlashArgs, j0: usize, nb: usize, mp: usize, s: &mut [f3
                 // Key jj is hidden from query rows r with row0 + r + off < jj.
                 let hidden = (jj as isize - off - a.row0 as isize).clamp(0, a.m as isize) as usize;
                 row[..hidden].fill(f32::NEG_INFINITY);
+                if let Some(w) = a.window {
+                    // ... and from rows r with row0 + r + off + 1 − window > jj.
+                    let first = (jj as isize + w as isize - off - a.row0 as isize).clamp(0, a.m as isize) as usize;
+                    row[first..].fill(f32::NEG_INFINITY);
+                }
             }
             if !a.bias.is_null() {
                 for (r, x) in row.iter_mut().enumerate() {

@@ -141,6 +141,7 @@ fn flash_forward_matches_reference() {
                 _ => Some(n as isize - (m + row0) as isize),
             };
             let key_len = if case % 4 == 0 { rng.gen_range(0..=n) } else { n };
+            let window = if causal.is_some() && case % 7 < 3 { Some(rng.gen_range(1..=n + 2)) } else { None };
             let use_bias = case % 5 == 1;
             let use_mask = case % 6 == 2;
             let (ldq, ldk, ldv, ldo) = (d + 1, d + 2, dv + 3, dv + 5);
@@ -162,6 +163,7 @@ fn flash_forward_matches_reference() {
                 scale,
                 key_len,
                 causal,
+                window,
                 q: q.as_ptr(),
                 ldq,
                 k: k.as_ptr(),
@@ -190,6 +192,11 @@ fn flash_forward_matches_reference() {
                     if j >= key_len || causal.is_some_and(|off| j as isize > r + off) {
                         return None;
                     }
+                    if let (Some(w), Some(off)) = (window, causal) {
+                        if (j as isize) <= r + off - w as isize {
+                            return None;
+                        }
+                    }
                     if use_mask && !mask[i * n + j] {
                         return None;
                     }
@@ -198,7 +205,7 @@ fn flash_forward_matches_reference() {
                 },
                 |j, c| v[j * ldv + c] as f64,
             );
-            let ctx = format!("{isa} case {case}: m={m} n={n} d={d} dv={dv} causal={causal:?} key_len={key_len}");
+            let ctx = format!("{isa} case {case}: m={m} n={n} d={d} dv={dv} causal={causal:?} window={window:?} key_len={key_len}");
             for i in 0..m {
                 for c in 0..dv {
                     let (g, w) = (o[i * ldo + c] as f64, want[i * dv + c]);
@@ -297,9 +304,8 @@ fn decode_partials_merge_to_reference() {
                 unsafe { decode_partial(isa, &args, parts[c * rows_n * pl..].as_mut_ptr(), pl, &mut scratch) };
             }
             for r in 0..rows_n {
-                let ps: Vec<&[f32]> = (0..chunks).map(|c| &parts[(c * rows_n + r) * pl..][..pl]).collect();
                 let mut out = vec![0.0; dv];
-                let lse = merge_partials(&ps, &mut out);
+                let lse = merge_partials(&parts[r * pl..], rows_n * pl, chunks, &mut out);
                 let row = rows[r];
                 let (want, want_lse, _) = reference::attention_head(
                     1,
@@ -321,6 +327,55 @@ fn decode_partials_merge_to_reference() {
                 }
                 let (g, w) = (lse as f64, want_lse[0]);
                 assert!(g == w || (g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "{ctx}: lse {g} vs {w}");
+            }
+        }
+    }
+}
+
+/// Split-KV: every chunk count merges to the unsplit result within 1e-6.
+#[test]
+fn decode_split_counts_agree_with_unsplit() {
+    use attnkit_kernels::{decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow};
+    let mut rng = SmallRng::seed_from_u64(5);
+    let (n, d, dv, rows_n) = (3001usize, 128usize, 128usize, 4usize);
+    let k: Vec<f32> = (0..n * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let v: Vec<f32> = (0..n * dv).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let q: Vec<f32> = (0..rows_n * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let rows: Vec<DecodeRow> = (0..rows_n)
+        .map(|r| DecodeRow { q: q[r * d..].as_ptr(), hi: n - r, lo: 0, bias: std::ptr::null(), mask: std::ptr::null() })
+        .collect();
+    let pl = partial_len(dv);
+    for isa in isas() {
+        let run = |chunks: usize| -> Vec<f32> {
+            let step = n.div_ceil(chunks);
+            let mut parts = vec![0.0; chunks * rows_n * pl];
+            let mut scratch = vec![0.0; decode_scratch_len(d, dv)];
+            for c in 0..chunks {
+                let args = DecodeArgs {
+                    rows: &rows,
+                    d,
+                    dv,
+                    k: k.as_ptr(),
+                    ldk: d,
+                    v: v.as_ptr(),
+                    ldv: dv,
+                    j_begin: (c * step).min(n),
+                    j_end: ((c + 1) * step).min(n),
+                    scale: 0.088,
+                };
+                // SAFETY: buffers cover every extent in `args`; the ISA is supported.
+                unsafe { decode_partial(isa, &args, parts[c * rows_n * pl..].as_mut_ptr(), pl, &mut scratch) };
+            }
+            let mut out = vec![0.0; rows_n * dv];
+            for r in 0..rows_n {
+                merge_partials(&parts[r * pl..], rows_n * pl, chunks, &mut out[r * dv..(r + 1) * dv]);
+            }
+            out
+        };
+        let whole = run(1);
+        for chunks in 2..=9 {
+            for (a, b) in run(chunks).iter().zip(&whole) {
+                assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{isa}: {chunks} chunks: {a} vs {b}");
             }
         }
     }

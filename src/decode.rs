@@ -1,0 +1,144 @@
+//! The decode path of [`crate::sdpa`]: GQA groups × split-KV chunks on the decode kernel, then an
+//! exact logsumexp merge.
+//!
+//! Task `(b, kv head, chunk)` runs every query row that reads this KV head (`Hq/Hkv` heads ×
+//! `Lq` rows) over keys `[chunk·C, (chunk+1)·C)`, so K and V are streamed from memory once per
+//! group, and a single long sequence still gives every core work. The chunk length `C` depends
+//! on the shape only ([`chunk_len`]), and partials are merged in chunk order, so the result is
+//! the same for every thread count.
+
+use crate::options::Par;
+use crate::scratch::with_scratch;
+use crate::sdpa::Plan;
+use attnkit_kernels::{decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow};
+use std::cell::RefCell;
+
+/// Keys per split-KV chunk: long enough that a chunk's fixed cost (packing Q, the merge) is
+/// small next to streaming its K and V, short enough that one 8k-token sequence makes 16 tasks.
+pub(crate) fn chunk_len(lk: usize) -> usize {
+    const MIN: usize = 512;
+    MIN.max(lk.div_ceil(64))
+}
+
+thread_local! {
+    /// Partials of the split-KV path, owned by the calling thread for the duration of a call
+    /// (separate from the per-task kernel scratch, which the same thread may also use).
+    static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A raw pointer the tasks may share: each task writes a disjoint range of the buffer.
+#[derive(Clone, Copy)]
+struct SharedPtr(*mut f32);
+// SAFETY: tasks write disjoint ranges (indexed by task number) and the buffer outlives them.
+unsafe impl Sync for SharedPtr {}
+// SAFETY: as above.
+unsafe impl Send for SharedPtr {}
+
+impl SharedPtr {
+    /// Element `i` (a method, so closures capture the whole `Sync` wrapper, not the raw field).
+    ///
+    /// # Safety
+    /// `i` is inside the buffer.
+    unsafe fn at(self, i: usize) -> *mut f32 {
+        // SAFETY: forwarded contract.
+        unsafe { self.0.add(i) }
+    }
+}
+
+impl Plan {
+    pub(crate) fn run_decode(&self, par: Par) {
+        let s = self.shape;
+        let groups = s.b * s.hkv;
+        let g = s.hq / s.hkv;
+        let rows = g * s.lq;
+        if groups == 0 || rows == 0 {
+            return;
+        }
+        let clen = chunk_len(s.lk);
+        let chunks = s.lk.div_ceil(clen).max(1);
+        let pl = partial_len(s.dv);
+        let per_task = rows * pl;
+        PARTIALS.with(|cell| {
+            let mut buf = cell.borrow_mut();
+            let len = groups * chunks * per_task;
+            if buf.len() < len {
+                buf.resize(len, 0.0);
+            }
+            let parts = SharedPtr(buf.as_mut_ptr());
+            self.for_each(par, groups * chunks, |t| {
+                // SAFETY: task `t` owns partial rows `[t·rows, (t+1)·rows)` of the buffer.
+                let dst = unsafe { parts.at(t * per_task) };
+                self.decode_task(t / chunks, t % chunks, clen, dst, pl);
+            });
+            for grp in 0..groups {
+                let (b, hk) = (grp / s.hkv, grp % s.hkv);
+                for r in 0..rows {
+                    let (h, i) = (hk * g + r / s.lq, r % s.lq);
+                    // SAFETY: `out` row (b, h, i) and lse entry are in bounds (validated) and
+                    // nothing else touches them now.
+                    unsafe {
+                        let out = core::slice::from_raw_parts_mut(self.o.add(Plan::off(self.os, b, h, i)), s.dv);
+                        let lse = merge_partials(&buf[(grp * chunks * rows + r) * pl..], per_task, chunks, out);
+                        if !self.lse.is_null() {
+                            *self.lse.add((b * s.hq + h) * s.lq + i) = lse;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    fn decode_task(&self, grp: usize, chunk: usize, clen: usize, dst: *mut f32, pl: usize) {
+        let s = self.shape;
+        let (b, hk) = (grp / s.hkv, grp % s.hkv);
+        let g = s.hq / s.hkv;
+        let mut rows = [DecodeRow {
+            q: core::ptr::null(),
+            hi: 0,
+            lo: 0,
+            bias: core::ptr::null(),
+            mask: core::ptr::null(),
+        }; 16];
+        let nrows = g * s.lq;
+        let j_begin = chunk * clen;
+        let j_end = (j_begin + clen).min(s.lk);
+        with_scratch(decode_scratch_len(s.d, s.dv), |scratch| {
+            // Rows in passes of 16 (the kernel itself works in groups of 8 rows).
+            for r0 in (0..nrows).step_by(rows.len()) {
+                let n = rows.len().min(nrows - r0);
+                for (k, row) in rows[..n].iter_mut().enumerate() {
+                    let r = r0 + k;
+                    let (h, i) = (hk * g + r / s.lq, r % s.lq);
+                    let (lo, hi) = self.key_range(b, i);
+                    // SAFETY: offsets of validated views / masks (see `Plan::new`).
+                    unsafe {
+                        *row = DecodeRow {
+                            q: self.q.add(Plan::off(self.qs, b, h, i)),
+                            hi,
+                            lo,
+                            bias: self.bias.map_or(core::ptr::null(), |m| m.ptr.add(Plan::off(m.strides, b, h, i))),
+                            mask: self.mask.map_or(core::ptr::null(), |m| m.ptr.add(Plan::off(m.strides, b, h, i))),
+                        };
+                    }
+                }
+                let args = DecodeArgs {
+                    rows: &rows[..n],
+                    d: s.d,
+                    dv: s.dv,
+                    // SAFETY: KV head `hk` of batch `b` is inside the validated views.
+                    k: unsafe { self.k.add(Plan::off(self.ks, b, hk, 0)) },
+                    ldk: self.ks[2],
+                    // SAFETY: as above.
+                    v: unsafe { self.v.add(Plan::off(self.vs, b, hk, 0)) },
+                    ldv: self.vs[2],
+                    j_begin,
+                    j_end,
+                    scale: self.scale,
+                };
+                // SAFETY: rows, K/V and masks are in bounds for keys < j_end ≤ Lk; `dst` holds
+                // `nrows` partial rows of `pl` floats owned by this task; the ISA was checked.
+                unsafe { decode_partial(self.isa, &args, dst.add(r0 * pl), pl, scratch) };
+            }
+        });
+    }
+}
