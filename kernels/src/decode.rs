@@ -76,7 +76,7 @@ pub fn decode_scratch_len(d: usize, dv: usize) -> usize {
 /// bias/mask entries `< j_end`); `partial` writable at `r*ldp + [0, dv+2)` for each row;
 /// `scratch.len() ≥ decode_scratch_len(d, dv)`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn decode_rows<S: Simd, const R: usize>(a: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) {
+unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(a: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) {
     let w = S::W;
     let (d, dv) = (a.d, a.dv);
     let dp = d.div_ceil(w) * w;
@@ -173,23 +173,38 @@ unsafe fn decode_rows<S: Simd, const R: usize>(a: &DecodeArgs, partial: *mut f32
                 }
                 m[r] = m_new;
             }
-            // O += P·V: V chunk loaded once per key for all rows.
+            // O += P·V, NC lane-chunks of V per pass: R·NC independent accumulators hide the
+            // FMA latency, and each V row chunk is loaded once for all rows.
             let mut c = 0;
             while c < dvfull {
-                let mut acc = [S::splat(0.0); R];
+                let nc = NC.min((dvfull - c) / w);
+                let mut acc = [[S::splat(0.0); NC]; R];
                 for r in 0..R {
-                    acc[r] = S::load(obuf.as_ptr().add(r * dvp + c));
+                    for (cb, x) in acc[r].iter_mut().enumerate().take(nc) {
+                        *x = S::load(obuf.as_ptr().add(r * dvp + c + cb * w));
+                    }
                 }
                 for jj in 0..nk {
-                    let vv = S::load(a.v.add((jb + jj) * a.ldv + c));
+                    let vrow = a.v.add((jb + jj) * a.ldv + c);
+                    let mut pr = [S::splat(0.0); R];
                     for r in 0..R {
-                        acc[r] = S::fma(S::splat(sbuf[r * KB + jj]), vv, acc[r]);
+                        pr[r] = S::splat(sbuf[r * KB + jj]);
+                    }
+                    for cb in 0..NC {
+                        if cb < nc {
+                            let vv = S::load(vrow.add(cb * w));
+                            for r in 0..R {
+                                acc[r][cb] = S::fma(pr[r], vv, acc[r][cb]);
+                            }
+                        }
                     }
                 }
                 for r in 0..R {
-                    S::store(obuf.as_mut_ptr().add(r * dvp + c), acc[r]);
+                    for (cb, x) in acc[r].iter().enumerate().take(nc) {
+                        S::store(obuf.as_mut_ptr().add(r * dvp + c + cb * w), *x);
+                    }
                 }
-                c += w;
+                c += nc * w;
             }
             for jj in 0..nk {
                 let vp = a.v.add((jb + jj) * a.ldv);
@@ -225,14 +240,15 @@ pub(crate) unsafe fn decode<S: Simd>(a: &DecodeArgs, partial: *mut f32, ldp: usi
         unsafe {
             let p = partial.add(r0 * ldp);
             match n {
-                1 => decode_rows::<S, 1>(&sub, p, ldp, scratch),
-                2 => decode_rows::<S, 2>(&sub, p, ldp, scratch),
-                3 => decode_rows::<S, 3>(&sub, p, ldp, scratch),
-                4 => decode_rows::<S, 4>(&sub, p, ldp, scratch),
-                5 => decode_rows::<S, 5>(&sub, p, ldp, scratch),
-                6 => decode_rows::<S, 6>(&sub, p, ldp, scratch),
-                7 => decode_rows::<S, 7>(&sub, p, ldp, scratch),
-                _ => decode_rows::<S, 8>(&sub, p, ldp, scratch),
+                // NC: V chunks per pass, so that R·NC accumulators fit the registers.
+                1 => decode_rows::<S, 1, 8>(&sub, p, ldp, scratch),
+                2 => decode_rows::<S, 2, 8>(&sub, p, ldp, scratch),
+                3 => decode_rows::<S, 3, 6>(&sub, p, ldp, scratch),
+                4 => decode_rows::<S, 4, 5>(&sub, p, ldp, scratch),
+                5 => decode_rows::<S, 5, 4>(&sub, p, ldp, scratch),
+                6 => decode_rows::<S, 6, 3>(&sub, p, ldp, scratch),
+                7 => decode_rows::<S, 7, 3>(&sub, p, ldp, scratch),
+                _ => decode_rows::<S, 8, 2>(&sub, p, ldp, scratch),
             }
         }
         r0 += n;
