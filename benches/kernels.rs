@@ -1,5 +1,5 @@
 //! Kernel benches: the QKᵀ tile, the P·V tile (both through `kernels::matmul`, which packs B on
-//! each call, as the fused kernel does once per key block), the row softmax and `exp2_slice`.
+//! each call), the row softmax and `exp2_slice`.
 //! One bench id per ISA × shape; ISAs this CPU lacks are listed as skipped. Throughput is in
 //! FLOPs for the tiles (`2·m·n·k`) and in elements for softmax/exp2.
 //!
@@ -31,29 +31,31 @@ fn isas() -> Vec<Isa> {
 }
 
 fn tiles(c: &mut Criterion) {
+    // The fused kernel keeps queries on the SIMD axis: the score tile is Sᵀ = K·Q̂ᵀ and the
+    // output tile Oᵀ += Vᵀ·Pᵀ (see `kernels::matmul`).
     let mut g = c.benchmark_group("qk_tile");
     for isa in isas() {
         for d in [64, 128] {
-            // S[M × KEYS] = Q[M × d] · Kᵀ[d × KEYS]
-            let (q, kt) = (data(M * d, 1), data(d * KEYS, 2));
-            let mut s = vec![0.0f32; M * KEYS];
+            // Sᵀ[KEYS × M] = K[KEYS × d] · Q̂ᵀ[d × M]
+            let (k, qt) = (data(KEYS * d, 1), data(d * M, 2));
+            let mut st = vec![0.0f32; KEYS * M];
             g.throughput(Throughput::Elements((2 * M * KEYS * d) as u64));
             g.bench_function(
-                BenchmarkId::new(isa.name(), format!("m{M}_n{KEYS}_d{d}")),
+                BenchmarkId::new(isa.name(), format!("keys{KEYS}_q{M}_d{d}")),
                 |b| {
                     b.iter(|| {
                         matmul(
                             isa,
+                            KEYS,
                             M,
-                            KEYS,
                             d,
-                            black_box(&q),
+                            black_box(&k),
                             d,
-                            black_box(&kt),
-                            KEYS,
-                            &mut s,
-                            KEYS,
-                            None,
+                            black_box(&qt),
+                            M,
+                            &mut st,
+                            M,
+                            false,
                         )
                     })
                 },
@@ -64,27 +66,26 @@ fn tiles(c: &mut Criterion) {
     let mut g = c.benchmark_group("pv_tile");
     for isa in isas() {
         for d in [64, 128] {
-            // O[M × d] = rescale ⊙ O + P[M × KEYS] · V[KEYS × d] (the online-softmax update)
-            let (p, v) = (data(M * KEYS, 3), data(KEYS * d, 4));
-            let scale = vec![0.5f32; M];
-            let mut o = vec![0.0f32; M * d];
+            // Oᵀ[d × M] += Vᵀ[d × KEYS] · Pᵀ[KEYS × M]
+            let (vt, pt) = (data(d * KEYS, 3), data(KEYS * M, 4));
+            let mut ot = vec![0.0f32; d * M];
             g.throughput(Throughput::Elements((2 * M * KEYS * d) as u64));
             g.bench_function(
-                BenchmarkId::new(isa.name(), format!("m{M}_n{d}_k{KEYS}")),
+                BenchmarkId::new(isa.name(), format!("d{d}_q{M}_keys{KEYS}")),
                 |b| {
                     b.iter(|| {
                         matmul(
                             isa,
+                            d,
                             M,
-                            d,
                             KEYS,
-                            black_box(&p),
+                            black_box(&vt),
                             KEYS,
-                            black_box(&v),
-                            d,
-                            &mut o,
-                            d,
-                            Some(&scale),
+                            black_box(&pt),
+                            M,
+                            &mut ot,
+                            M,
+                            true,
                         )
                     })
                 },

@@ -9,7 +9,9 @@
 
 use attnkit::unfused::{sdpa_unfused_with, Backend};
 use attnkit::{sdpa, Causal, SdpaOptions, Tensor, TensorMut};
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{
+    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
+};
 use std::time::Duration;
 
 const CORE: [(usize, usize, usize, usize); 6] = [
@@ -38,6 +40,8 @@ fn flops(b: usize, h: usize, l: usize, d: usize, causal: bool) -> u64 {
 
 fn fused(c: &mut Criterion) {
     let mut g = c.benchmark_group("sdpa_fused");
+    // Calls of 10–300 ms: flat sampling keeps each id near the measurement time.
+    g.sampling_mode(SamplingMode::Flat);
     for causal in [false, true] {
         for (b, h, l, d) in CORE {
             let shape = [b, h, l, d];

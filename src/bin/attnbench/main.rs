@@ -464,12 +464,17 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
     }
     pb.finish_and_clear();
     for ((name, why), cases) in &skipped {
+        let list = if cases.len() <= 3 {
+            format!(": {}", cases.join(" "))
+        } else {
+            String::new()
+        };
         eprintln!(
-            "attnbench: skipped {name} on {} case(s), {why}: {}",
-            cases.len(),
-            cases.join(" ")
+            "attnbench: skipped {name} on {} case(s), {why}{list}",
+            cases.len()
         );
     }
+
     output(cfg, &records, &peaks, cfg.json)
 }
 

@@ -52,7 +52,15 @@ pub fn plot(
         .map(|r| r.gflops)
         .chain(peaks.values().copied())
         .fold(1.0f64, f64::max)
-        * 1.08;
+        * 1.3; // head room above the highest point for the legend
+               // Ticks at the measured lengths (powers of two in the presets).
+    let ticks: Vec<f64> = recs
+        .iter()
+        .map(|r| r.case.lk)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .map(|l| l as f64)
+        .collect();
 
     let root = SVGBackend::new(path, (620 * threads.len() as u32, 480)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -65,12 +73,16 @@ pub fn plot(
             .margin(12)
             .x_label_area_size(42)
             .y_label_area_size(56)
-            .build_cartesian_2d((xmin..xmax).log_scale(), 0.0..ymax)?;
+            .build_cartesian_2d(
+                (xmin..xmax).log_scale().with_key_points(ticks.clone()),
+                0.0..ymax,
+            )?;
         chart
             .configure_mesh()
             .x_desc("sequence length (Lq = Lk)")
             .y_desc("GFLOP/s = 4·B·H·Lq·Lk·D / time (½ causal)")
             .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
             .draw()?;
         if let Some(&p) = peaks.get(&t) {
             chart

@@ -330,17 +330,17 @@ pub fn markdown(records: &[Record]) -> String {
         s.push('\n');
         let cases: BTreeSet<Case> = rows.iter().map(|r| r.case).collect();
         let mut cases: Vec<Case> = cases.into_iter().collect();
-        // Decode after prefill, then by size.
+        // Small shapes, then families of one (B, H, D) by length, then decode (Lq = 1); causal
+        // after unmasked within each group.
         cases.sort_by_key(|c| {
-            (
-                c.lq == 1 && c.lk != 1,
-                c.causal,
-                c.b * c.h * c.d,
-                c.lk,
-                c.b,
-                c.h,
-                c.d,
-            )
+            let group = if c.lq == 1 && c.lk > 1 {
+                2
+            } else if c.macs() < 1e7 {
+                0
+            } else {
+                1
+            };
+            (group, c.causal, c.b * c.h * c.d, c.d, c.lk, c.b, c.h)
         });
         for c in &cases {
             let shape = if c.hkv == c.h {
