@@ -369,7 +369,7 @@ impl Plan {
         let off3 = Plan::off;
         let key_len = self.key_len(b);
         let causal = self.causal_off(b);
-        // SAFETY (pointer offsets below): every offset addresses an element inside its buffer,
+        // SAFETY: (pointer offsets below) every offset addresses an element inside its buffer,
         // as validated by `check_len` / the dense-length checks in `Plan::new`.
         let args = unsafe {
             FlashArgs {

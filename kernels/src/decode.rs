@@ -91,7 +91,7 @@ unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(a: &DecodeArgs, 
     let qscale = a.scale * LOG2E;
     let (dfull, dvfull) = (d / w * w, dv / w * w);
 
-    // SAFETY (whole body): all accesses are inside the extents of the contract above; scratch
+    // SAFETY: (whole body) all accesses are inside the extents of the contract above; scratch
     // slices were split to their sizes; `dp`, `dvp`, `KB` are lane multiples.
     unsafe {
         qbuf.fill(0.0);

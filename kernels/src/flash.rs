@@ -138,7 +138,7 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
     let kmax = limit(m - 1);
     let kmin = lower(0).min(kmax);
 
-    // SAFETY (whole body): reads and writes stay inside the extents `args` describes and the
+    // SAFETY: (whole body) reads and writes stay inside the extents `args` describes and the
     // scratch slices split above; the ISA is enabled per this function's contract.
     unsafe {
         // Q̂ᵀ (d × mp), pre-scaled into base-2 units; padding lanes are zero. Raw pointers: this

@@ -40,7 +40,7 @@ fn exp2_matches_f64_over_the_whole_range() {
             let want = reference::exp2(x as f64);
             if x < -126.5 {
                 assert_eq!(got, 0.0, "{isa}: exp2({x}) must flush to 0, got {got}");
-            } else if x >= -126.0 && x <= 127.0 {
+            } else if (-126.0..=127.0).contains(&x) {
                 let u = ulps(got, want);
                 worst = worst.max(u);
                 assert!(u <= 3.0, "{isa}: exp2({x}) = {got}, want {want} ({u} ulp)");

@@ -7,7 +7,7 @@ use core::arch::x86_64::*;
 #[derive(Clone, Copy)]
 pub(crate) struct Avx2;
 
-// SAFETY (whole impl): every method is only reached from functions compiled with
+// SAFETY: (whole impl) every method is only reached from functions compiled with
 // `target_feature(enable = "avx2,fma")`, entered after `Isa::Avx2.is_supported()`; the pointer
 // methods' callers guarantee 8 valid lanes.
 impl Simd for Avx2 {

@@ -7,7 +7,7 @@ use core::arch::x86_64::*;
 #[derive(Clone, Copy)]
 pub(crate) struct Avx512;
 
-// SAFETY (whole impl): every method is only reached from functions compiled with
+// SAFETY: (whole impl) every method is only reached from functions compiled with
 // `target_feature(enable = "avx512f")`, entered after `Isa::Avx512.is_supported()`; the pointer
 // methods' callers guarantee 16 valid lanes.
 impl Simd for Avx512 {

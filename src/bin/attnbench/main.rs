@@ -232,7 +232,7 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
             d: *shape.get("d").unwrap_or(&64),
             causal: false,
         };
-        if base.hkv == 0 || base.h % base.hkv != 0 {
+        if base.hkv == 0 || !base.h.is_multiple_of(base.hkv) {
             return Err(format!(
                 "--h {} must be a multiple of --hkv {}",
                 base.h, base.hkv
