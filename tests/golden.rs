@@ -1,0 +1,901 @@
+//! PyTorch goldens (`tests/data`, copied from `shared/golden`) through the public API, on every
+//! ISA this CPU has (and once on the ISA the crate detects, so `ATTNKIT_ISA` forces a path):
+//! `sdpa` with BHLD views, `sdpa` with BLHD inputs and output, `sdpa` forced onto each kernel
+//! (`Path::Prefill`, `Path::Decode`), and `unfused::sdpa_unfused`. Each output element must satisfy
+//! `|out − golden_f64| ≤ 1e-5 + 1e-5·|golden_f64|` (the README's hint: PyTorch's own f32 lands
+//! within 7e-7 of the f64 golden in every case).
+//!
+//! The options of each case are derived from its `meta.json` (`params` and the `attn_mask=`
+//! argument of `torch_call`), so a case's inputs are always used the way PyTorch used them.
+//! Cases whose mask can be expressed in several ways run once per way (key padding as
+//! `key_lengths`, as a `(B,1,1,Lk)` bool mask and as the expanded `(B,H,Lq,Lk)` mask; bottom-right
+//! causal as `Causal::BottomRight` and as its explicit bool mask), and the ways must agree.
+
+mod common;
+
+use attnkit::{
+    sdpa, sdpa_ext, unfused, Causal, Extras, Isa, MaskRef, Path as Kernel, SdpaOptions, Tensor,
+    TensorMut,
+};
+use common::{compare, from_blhd, isas, to_blhd, ATOL, RTOL};
+use std::path::{Path, PathBuf};
+
+// ---------------------------------------------------------------------------------------------
+// A minimal JSON reader for meta.json (no dependency needed for ~100 lines).
+
+#[derive(Clone, Debug)]
+enum Json {
+    Null,
+    Bool(bool),
+    Num(f64),
+    Str(String),
+    Arr(Vec<Json>),
+    Obj(Vec<(String, Json)>),
+}
+
+impl Json {
+    fn parse(text: &str) -> Json {
+        let mut p = JsonParser {
+            s: text.as_bytes(),
+            i: 0,
+        };
+        let v = p.value();
+        p.ws();
+        assert_eq!(p.i, p.s.len(), "json: trailing characters at byte {}", p.i);
+        v
+    }
+    fn get(&self, key: &str) -> Option<&Json> {
+        match self {
+            Json::Obj(kv) => kv.iter().find(|(k, _)| k == key).map(|(_, v)| v),
+            _ => None,
+        }
+    }
+    fn at(&self, key: &str) -> &Json {
+        self.get(key)
+            .unwrap_or_else(|| panic!("json: missing key {key:?}"))
+    }
+    fn num(&self) -> f64 {
+        match self {
+            Json::Num(x) => *x,
+            other => panic!("json: expected a number, got {other:?}"),
+        }
+    }
+    fn usize(&self) -> usize {
+        let x = self.num();
+        assert!(x >= 0.0 && x.fract() == 0.0, "json: {x} is not a size");
+        x as usize
+    }
+    fn str(&self) -> &str {
+        match self {
+            Json::Str(s) => s,
+            other => panic!("json: expected a string, got {other:?}"),
+        }
+    }
+    fn arr(&self) -> &[Json] {
+        match self {
+            Json::Arr(a) => a,
+            other => panic!("json: expected an array, got {other:?}"),
+        }
+    }
+    fn bool(&self) -> bool {
+        match self {
+            Json::Bool(b) => *b,
+            other => panic!("json: expected a bool, got {other:?}"),
+        }
+    }
+    fn is_null(&self) -> bool {
+        matches!(self, Json::Null)
+    }
+    fn sizes(&self) -> Vec<usize> {
+        self.arr().iter().map(Json::usize).collect()
+    }
+}
+
+struct JsonParser<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl JsonParser<'_> {
+    fn ws(&mut self) {
+        while self.i < self.s.len() && self.s[self.i].is_ascii_whitespace() {
+            self.i += 1;
+        }
+    }
+    fn peek(&mut self) -> u8 {
+        self.ws();
+        *self.s.get(self.i).expect("json: unexpected end")
+    }
+    fn eat(&mut self, c: u8) {
+        assert_eq!(
+            self.peek(),
+            c,
+            "json: expected {:?} at byte {}",
+            c as char,
+            self.i
+        );
+        self.i += 1;
+    }
+    fn lit(&mut self, word: &str, v: Json) -> Json {
+        assert!(
+            self.s[self.i..].starts_with(word.as_bytes()),
+            "json: bad literal at byte {}",
+            self.i
+        );
+        self.i += word.len();
+        v
+    }
+    fn value(&mut self) -> Json {
+        match self.peek() {
+            b'{' => {
+                self.i += 1;
+                let mut kv = Vec::new();
+                if self.peek() == b'}' {
+                    self.i += 1;
+                    return Json::Obj(kv);
+                }
+                loop {
+                    let k = self.string();
+                    self.eat(b':');
+                    kv.push((k, self.value()));
+                    match self.peek() {
+                        b',' => self.i += 1,
+                        b'}' => {
+                            self.i += 1;
+                            return Json::Obj(kv);
+                        }
+                        c => panic!(
+                            "json: unexpected {:?} in object at byte {}",
+                            c as char, self.i
+                        ),
+                    }
+                }
+            }
+            b'[' => {
+                self.i += 1;
+                let mut a = Vec::new();
+                if self.peek() == b']' {
+                    self.i += 1;
+                    return Json::Arr(a);
+                }
+                loop {
+                    a.push(self.value());
+                    match self.peek() {
+                        b',' => self.i += 1,
+                        b']' => {
+                            self.i += 1;
+                            return Json::Arr(a);
+                        }
+                        c => panic!(
+                            "json: unexpected {:?} in array at byte {}",
+                            c as char, self.i
+                        ),
+                    }
+                }
+            }
+            b'"' => Json::Str(self.string()),
+            b't' => self.lit("true", Json::Bool(true)),
+            b'f' => self.lit("false", Json::Bool(false)),
+            b'n' => self.lit("null", Json::Null),
+            b'N' => self.lit("NaN", Json::Num(f64::NAN)),
+            b'I' => self.lit("Infinity", Json::Num(f64::INFINITY)),
+            _ if self.s[self.i..].starts_with(b"-Infinity") => {
+                self.lit("-Infinity", Json::Num(f64::NEG_INFINITY))
+            }
+            _ => {
+                let start = self.i;
+                while self.i < self.s.len() && b"+-0123456789.eE".contains(&self.s[self.i]) {
+                    self.i += 1;
+                }
+                let t = std::str::from_utf8(&self.s[start..self.i]).unwrap();
+                Json::Num(
+                    t.parse()
+                        .unwrap_or_else(|_| panic!("json: bad number {t:?} at byte {start}")),
+                )
+            }
+        }
+    }
+    fn hex4(&mut self) -> u32 {
+        let t = std::str::from_utf8(&self.s[self.i..self.i + 4]).unwrap();
+        self.i += 4;
+        u32::from_str_radix(t, 16).expect("json: bad \\u escape")
+    }
+    fn string(&mut self) -> String {
+        self.eat(b'"');
+        let mut out = Vec::new();
+        loop {
+            let c = self.s[self.i];
+            self.i += 1;
+            match c {
+                b'"' => return String::from_utf8(out).expect("json: invalid UTF-8"),
+                b'\\' => {
+                    let e = self.s[self.i];
+                    self.i += 1;
+                    let ch = match e {
+                        b'"' => '"',
+                        b'\\' => '\\',
+                        b'/' => '/',
+                        b'b' => '\u{8}',
+                        b'f' => '\u{c}',
+                        b'n' => '\n',
+                        b'r' => '\r',
+                        b't' => '\t',
+                        b'u' => {
+                            let mut u = self.hex4();
+                            if (0xD800..0xDC00).contains(&u) && self.s[self.i..].starts_with(b"\\u")
+                            {
+                                self.i += 2;
+                                let lo = self.hex4();
+                                u = 0x10000 + ((u - 0xD800) << 10) + (lo - 0xDC00);
+                            }
+                            char::from_u32(u).unwrap_or('\u{fffd}')
+                        }
+                        _ => panic!("json: bad escape at byte {}", self.i),
+                    };
+                    let mut b = [0u8; 4];
+                    out.extend_from_slice(ch.encode_utf8(&mut b).as_bytes());
+                }
+                _ => out.push(c),
+            }
+        }
+    }
+}
+
+#[test]
+fn json_reader_handles_what_meta_json_uses() {
+    let j = Json::parse(
+        r#" {"a": [1, -2.5e-3, null, true, false], "s": "x\"y\u00e9\n", "o": {}, "e": []} "#,
+    );
+    assert_eq!(j.at("a").arr().len(), 5);
+    assert_eq!(j.at("a").arr()[1].num(), -2.5e-3);
+    assert!(j.at("a").arr()[2].is_null());
+    assert!(j.at("a").arr()[3].bool());
+    assert_eq!(j.at("s").str(), "x\"y\u{e9}\n");
+    assert!(j.get("missing").is_none());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading a case.
+
+/// Every golden case this file checks (one `#[test]` each, below).
+const CASES: &[&str] = &[
+    "sdpa_basic",
+    "sdpa_weights",
+    "sdpa_cross",
+    "sdpa_causal",
+    "sdpa_causal_rect_topleft",
+    "sdpa_causal_rect_bottomright",
+    "sdpa_bool_mask",
+    "sdpa_float_mask",
+    "sdpa_key_padding",
+    "sdpa_scale_custom",
+    "sdpa_dot_product",
+    "sdpa_large_logits",
+    "sdpa_gqa",
+    "long_sequence",
+    "long_sequence_causal",
+    "decode",
+];
+
+fn data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("data")
+}
+
+struct Golden {
+    name: String,
+    dir: PathBuf,
+    meta: Json,
+}
+
+impl Golden {
+    fn open(name: &str) -> Golden {
+        let dir = data_dir().join(name);
+        let text = std::fs::read_to_string(dir.join("meta.json"))
+            .unwrap_or_else(|e| panic!("{name}: cannot read meta.json: {e}"));
+        Golden {
+            name: name.to_string(),
+            dir,
+            meta: Json::parse(&text),
+        }
+    }
+    fn param(&self, key: &str) -> &Json {
+        self.meta.at("params").at(key)
+    }
+    fn has_input(&self, key: &str) -> bool {
+        self.meta.at("inputs").get(key).is_some()
+    }
+    /// A file of this case, or of the case named in `inputs_from` when it shares the inputs.
+    fn path(&self, file: &str) -> PathBuf {
+        let p = self.dir.join(file);
+        if p.exists() {
+            return p;
+        }
+        let from = std::fs::read_to_string(self.dir.join("inputs_from"))
+            .unwrap_or_else(|_| panic!("{}: {file} is missing", self.name));
+        data_dir().join(from.trim()).join(file)
+    }
+    /// Raw bytes of `section.key`, checked against the shape and element size in meta.json.
+    fn raw(&self, section: &str, key: &str, dtype: &str, size: usize) -> (Vec<u8>, Vec<usize>) {
+        let e = self.meta.at(section).at(key);
+        assert_eq!(
+            e.at("dtype").str(),
+            dtype,
+            "{}: {section}.{key} dtype",
+            self.name
+        );
+        let shape = e.at("shape").sizes();
+        let path = self.path(e.at("file").str());
+        let bytes =
+            std::fs::read(&path).unwrap_or_else(|err| panic!("{}: {path:?}: {err}", self.name));
+        let n: usize = shape.iter().product();
+        assert_eq!(
+            bytes.len(),
+            n * size,
+            "{}: {path:?} has the wrong length for shape {shape:?}",
+            self.name
+        );
+        (bytes, shape)
+    }
+    fn f32(&self, key: &str) -> (Vec<f32>, Vec<usize>) {
+        let (b, s) = self.raw("inputs", key, "f32", 4);
+        (
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            s,
+        )
+    }
+    fn bools(&self, key: &str) -> (Vec<bool>, Vec<usize>) {
+        let (b, s) = self.raw("inputs", key, "u8", 1);
+        assert!(b.iter().all(|&x| x <= 1), "{}: {key} is not 0/1", self.name);
+        (b.iter().map(|&x| x == 1).collect(), s)
+    }
+    fn i32(&self, key: &str) -> (Vec<i32>, Vec<usize>) {
+        let (b, s) = self.raw("inputs", key, "i32", 4);
+        (
+            b.chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            s,
+        )
+    }
+    fn f64_out(&self, key: &str) -> Option<(Vec<f64>, Vec<usize>)> {
+        self.meta.at("outputs").get(key)?;
+        let (b, s) = self.raw("outputs", key, "f64", 8);
+        Some((
+            b.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            s,
+        ))
+    }
+}
+
+/// A mask shape from meta: `(Lq, Lk)` is broadcast as `(1, 1, Lq, Lk)`.
+fn mask_shape(s: &[usize]) -> [usize; 4] {
+    match *s {
+        [lq, lk] => [1, 1, lq, lk],
+        [b, h, lq, lk] => [b, h, lq, lk],
+        _ => panic!("unexpected mask shape {s:?}"),
+    }
+}
+
+enum VMask {
+    None,
+    Bool(Vec<bool>, [usize; 4]),
+    Bias(Vec<f32>, [usize; 4]),
+}
+
+/// One way of passing a case's masking to `sdpa`.
+struct Variant {
+    name: String,
+    causal: Option<Causal>,
+    mask: VMask,
+    key_lengths: Option<Vec<usize>>,
+}
+
+impl Variant {
+    /// Options for this variant; `isa: None` lets the crate detect it (honouring `ATTNKIT_ISA`).
+    fn opts(&self, scale: Option<f32>, isa: Option<Isa>) -> SdpaOptions<'_> {
+        let mut o = SdpaOptions::new();
+        if let Some(isa) = isa {
+            o = o.isa(isa);
+        }
+        if let Some(s) = scale {
+            o = o.scale(s);
+        }
+        if let Some(c) = self.causal {
+            o = o.causal(c);
+        }
+        match &self.mask {
+            VMask::None => {}
+            VMask::Bool(m, s) => o = o.bool_mask(MaskRef::new(m, *s)),
+            VMask::Bias(m, s) => o = o.bias(MaskRef::new(m, *s)),
+        }
+        if let Some(l) = &self.key_lengths {
+            o = o.key_lengths(l);
+        }
+        o
+    }
+}
+
+/// The identifier passed as `attn_mask=` in `torch_call` (`None`, `mask`, `bias`, `key_valid`).
+fn torch_attn_mask(call: &str) -> &str {
+    let rest = &call[call
+        .find("attn_mask=")
+        .expect("torch_call without attn_mask=")
+        + "attn_mask=".len()..];
+    let end = rest
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or(rest.len());
+    &rest[..end]
+}
+
+fn variants(g: &Golden) -> Vec<Variant> {
+    let is_causal = g.param("is_causal").bool();
+    let alignment = g.param("causal_alignment");
+    let bottom_right = !alignment.is_null() && alignment.str().starts_with("bottom-right");
+    let plain = |name: &str, causal| Variant {
+        name: name.into(),
+        causal,
+        mask: VMask::None,
+        key_lengths: None,
+    };
+    let bool_input = |key: &str| {
+        let (m, s) = g.bools(key);
+        VMask::Bool(m, mask_shape(&s))
+    };
+    let mut v = Vec::new();
+    match torch_attn_mask(g.meta.at("torch_call").str()) {
+        "None" => {
+            v.push(plain(
+                if is_causal {
+                    "causal=TopLeft"
+                } else {
+                    "no mask"
+                },
+                is_causal.then_some(Causal::TopLeft),
+            ));
+            if is_causal && g.has_input("mask") {
+                // The documented (not passed) causal mask must give the same result.
+                v.push(Variant {
+                    name: "bool mask.u8".into(),
+                    causal: None,
+                    mask: bool_input("mask"),
+                    key_lengths: None,
+                });
+            }
+        }
+        "mask" => {
+            assert!(
+                !is_causal,
+                "{}: mask and is_causal together are not mapped",
+                g.name
+            );
+            v.push(Variant {
+                name: "bool mask.u8".into(),
+                causal: None,
+                mask: bool_input("mask"),
+                key_lengths: None,
+            });
+            if bottom_right {
+                v.push(plain("causal=BottomRight", Some(Causal::BottomRight)));
+            }
+        }
+        "bias" => {
+            let (b, s) = g.f32("bias");
+            v.push(Variant {
+                name: "bias.f32".into(),
+                causal: None,
+                mask: VMask::Bias(b, mask_shape(&s)),
+                key_lengths: None,
+            });
+        }
+        "key_valid" => {
+            let (lens, _) = g.i32("key_lengths");
+            let lens: Vec<usize> = lens.iter().map(|&l| usize::try_from(l).unwrap()).collect();
+            let (valid, s) = g.bools("key_valid");
+            let [b, lk] = s[..] else {
+                panic!("key_valid shape {s:?}")
+            };
+            v.push(Variant {
+                name: "key_lengths".into(),
+                causal: None,
+                mask: VMask::None,
+                key_lengths: Some(lens),
+            });
+            v.push(Variant {
+                name: "bool (B,1,1,Lk)".into(),
+                causal: None,
+                mask: VMask::Bool(valid, [b, 1, 1, lk]),
+                key_lengths: None,
+            });
+            v.push(Variant {
+                name: "bool mask.u8 (B,H,Lq,Lk)".into(),
+                causal: None,
+                mask: bool_input("mask"),
+                key_lengths: None,
+            });
+        }
+        other => panic!("{}: attn_mask={other} is not mapped", g.name),
+    }
+    v
+}
+
+/// How a golden is run: the fused kernel with `Path::Auto` on BHLD views and on BLHD views, the
+/// fused kernel forced onto each of its two kernels (BHLD), and the unfused baseline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Run {
+    AutoBhld,
+    AutoBlhd,
+    Prefill,
+    Decode,
+    Unfused,
+}
+
+const RUNS: [Run; 5] = [
+    Run::AutoBhld,
+    Run::AutoBlhd,
+    Run::Prefill,
+    Run::Decode,
+    Run::Unfused,
+];
+
+struct Inputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    qs: [usize; 4],
+    ks: [usize; 4],
+    vs: [usize; 4],
+    os: [usize; 4],
+}
+
+/// Runs one path; returns the output as dense `(B, H, Lq, Dv)`. The output starts as NaN, so an
+/// element left unwritten fails the comparison.
+fn run(x: &Inputs, opts: &SdpaOptions, how: Run) -> Vec<f32> {
+    let n: usize = x.os.iter().product();
+    let mut out = vec![f32::NAN; n];
+    let forced = match how {
+        Run::Prefill => opts.path(Kernel::Prefill),
+        Run::Decode => opts.path(Kernel::Decode),
+        _ => *opts,
+    };
+    let r = match how {
+        Run::AutoBhld | Run::Prefill | Run::Decode => sdpa(
+            &Tensor::bhld(&x.q, x.qs),
+            &Tensor::bhld(&x.k, x.ks),
+            &Tensor::bhld(&x.v, x.vs),
+            &mut TensorMut::bhld(&mut out, x.os),
+            &forced,
+        ),
+        Run::AutoBlhd => {
+            let (q, k, v) = (
+                to_blhd(&x.q, x.qs),
+                to_blhd(&x.k, x.ks),
+                to_blhd(&x.v, x.vs),
+            );
+            let r = sdpa(
+                &Tensor::blhd(&q, x.qs),
+                &Tensor::blhd(&k, x.ks),
+                &Tensor::blhd(&v, x.vs),
+                &mut TensorMut::blhd(&mut out, x.os),
+                opts,
+            );
+            out = from_blhd(&out, x.os);
+            r
+        }
+        Run::Unfused => unfused::sdpa_unfused(
+            &Tensor::bhld(&x.q, x.qs),
+            &Tensor::bhld(&x.k, x.ks),
+            &Tensor::bhld(&x.v, x.vs),
+            &mut TensorMut::bhld(&mut out, x.os),
+            opts,
+        ),
+    };
+    r.unwrap_or_else(|e| panic!("{how:?}: unexpected error {e}"));
+    out
+}
+
+/// `(b, h, i, c)` of a flat index into `(B, H, L, C)`.
+fn unflatten(idx: usize, s: [usize; 4]) -> [usize; 4] {
+    [
+        idx / (s[1] * s[2] * s[3]),
+        idx / (s[2] * s[3]) % s[1],
+        idx / s[3] % s[2],
+        idx % s[3],
+    ]
+}
+
+fn check_case(name: &str) {
+    let g = Golden::open(name);
+    let p = |k: &str| g.param(k).usize();
+    let (b, h, hkv, lq, lk, d) = (p("B"), p("H"), p("H_kv"), p("Lq"), p("Lk"), p("D"));
+    let (q, qs) = g.f32("q");
+    let (k, ks) = g.f32("k");
+    let (v, vs) = g.f32("v");
+    let dv = vs[3];
+    assert_eq!(qs, [b, h, lq, d], "{name}: q shape vs params");
+    assert_eq!(ks, [b, hkv, lk, d], "{name}: k shape vs params");
+    assert_eq!(vs[..3], [b, hkv, lk], "{name}: v shape vs params");
+    let (want, out_shape) = g.f64_out("out_f64").expect("out_f64");
+    let os = [b, h, lq, dv];
+    assert_eq!(out_shape, os, "{name}: out shape");
+    let x = Inputs {
+        q,
+        k,
+        v,
+        qs: [b, h, lq, d],
+        ks: [b, hkv, lk, d],
+        vs: [b, hkv, lk, dv],
+        os,
+    };
+    let scale = match g.param("scale") {
+        Json::Null => None,
+        s => Some(s.num() as f32),
+    };
+    if scale.is_none() {
+        let sv = g.param("scale_value").num();
+        assert!(
+            (sv - 1.0 / (d as f64).sqrt()).abs() < 1e-12,
+            "{name}: default scale is 1/sqrt(D)"
+        );
+    }
+    let vars = variants(&g);
+    let weights_golden = g.f64_out("weights_f64");
+    let fully_masked: Option<Vec<[usize; 3]>> = g
+        .meta
+        .at("params")
+        .get("fully_masked_rows_bhi")
+        .map(|rows| {
+            rows.arr()
+                .iter()
+                .map(|r| <[usize; 3]>::try_from(r.sizes()).expect("(b, h, i) triple"))
+                .collect()
+        });
+
+    let check = |got: &[f32], what: &str| -> f64 {
+        let (max, bad, first) = compare(got, &want);
+        if let Some(i) = first {
+            panic!(
+                "{name} {what}: {bad} elements outside {ATOL:e} + {RTOL:e}·|golden|, max err {max:e}; \
+                 first at (b,h,i,c) = {:?}: got {}, golden {}",
+                unflatten(i, os),
+                got[i],
+                want[i]
+            );
+        }
+        max
+    };
+
+    let mut report = Vec::new();
+    for isa in isas() {
+        let mut worst = [0.0f64; RUNS.len()];
+        let mut per_variant: Vec<Vec<f32>> = Vec::new();
+        let mut prefill0 = Vec::new();
+        for var in &vars {
+            let opts = var.opts(scale, Some(isa));
+            for (ri, &how) in RUNS.iter().enumerate() {
+                let got = run(&x, &opts, how);
+                worst[ri] = worst[ri].max(check(&got, &format!("[{}] {isa} {how:?}", var.name)));
+                if how == Run::AutoBhld {
+                    per_variant.push(got);
+                } else if how == Run::Prefill && prefill0.is_empty() {
+                    prefill0 = got;
+                }
+            }
+        }
+        // Every way of passing the same masking computes the same thing.
+        for (i, other) in per_variant.iter().enumerate().skip(1) {
+            let diff = per_variant[0]
+                .iter()
+                .zip(other)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                diff <= 1e-6,
+                "{name} {isa}: variant [{}] differs from [{}] by {diff:e}",
+                vars[i].name,
+                vars[0].name
+            );
+        }
+
+        // Weights and logsumexp through `sdpa_ext` (first variant), then lse alone on each
+        // kernel (asking for weights selects the prefill kernel; lse alone keeps `Path::Auto`'s
+        // choice). Fully masked rows are exactly 0 with lse = −inf on every kernel, the others
+        // have a finite lse, the same on every kernel.
+        let n_rows = b * h * lq;
+        let mut werr = f64::NAN;
+        let mut lse0: Vec<f32> = Vec::new();
+        for (kernel, with_w) in [
+            (Kernel::Auto, true),
+            (Kernel::Auto, false),
+            (Kernel::Prefill, false),
+            (Kernel::Decode, false),
+        ] {
+            let mut lse = vec![f32::NAN; n_rows];
+            let mut w = vec![f32::NAN; n_rows * lk];
+            let mut out = vec![f32::NAN; os.iter().product()];
+            sdpa_ext(
+                &Tensor::bhld(&x.q, x.qs),
+                &Tensor::bhld(&x.k, x.ks),
+                &Tensor::bhld(&x.v, x.vs),
+                &mut TensorMut::bhld(&mut out, os),
+                &vars[0].opts(scale, Some(isa)).path(kernel),
+                Extras {
+                    lse: Some(&mut lse),
+                    weights: with_w.then_some(&mut w[..]),
+                },
+            )
+            .unwrap();
+            let what = format!(
+                "{name} {isa} {kernel:?}{}",
+                if with_w { " with weights" } else { "" }
+            );
+            if with_w {
+                // Weights are only produced by the prefill kernel.
+                assert!(
+                    out == prefill0,
+                    "{what}: asking for extras changed the prefill output"
+                );
+                if let Some((wg, ws)) = &weights_golden {
+                    assert_eq!(ws[..], [b, h, lq, lk], "{name}: weights shape");
+                    let (max, bad, first) = compare(&w, wg);
+                    if let Some(i) = first {
+                        panic!(
+                            "{what}: {bad} weights outside tolerance, max err {max:e}; first at {:?}: got {}, golden {}",
+                            unflatten(i, [b, h, lq, lk]),
+                            w[i],
+                            wg[i]
+                        );
+                    }
+                    werr = max;
+                }
+            } else {
+                check(&out, &what);
+            }
+            for r in 0..n_rows {
+                let masked = fully_masked
+                    .as_ref()
+                    .is_some_and(|rows| rows.contains(&[r / (h * lq), r / lq % h, r % lq]));
+                if masked {
+                    let row_o = &out[r * dv..(r + 1) * dv];
+                    assert!(
+                        row_o.iter().all(|&o| o == 0.0),
+                        "{what}: fully masked row {r} must be 0, got {row_o:?}"
+                    );
+                    assert_eq!(
+                        lse[r],
+                        f32::NEG_INFINITY,
+                        "{what}: lse of fully masked row {r}"
+                    );
+                } else {
+                    assert!(lse[r].is_finite(), "{what}: lse of row {r} is {}", lse[r]);
+                }
+                if with_w {
+                    let row_w = &w[r * lk..(r + 1) * lk];
+                    let sum: f64 = row_w.iter().map(|&x| x as f64).sum();
+                    if masked {
+                        assert!(
+                            row_w.iter().all(|&x| x == 0.0),
+                            "{what}: weights of fully masked row {r}"
+                        );
+                    } else {
+                        assert!(
+                            (sum - 1.0).abs() <= 1e-5,
+                            "{what}: weights of row {r} sum to {sum}"
+                        );
+                    }
+                }
+            }
+            if lse0.is_empty() {
+                lse0 = lse;
+            } else {
+                for (r, (a, b)) in lse.iter().zip(&lse0).enumerate() {
+                    let same = a == b || (a - b).abs() <= 1e-5 * (1.0 + b.abs());
+                    assert!(
+                        same,
+                        "{what}: lse of row {r} is {a}, the prefill kernel gives {b}"
+                    );
+                }
+            }
+        }
+        let cols: Vec<String> = RUNS
+            .iter()
+            .zip(&worst)
+            .map(|(r, e)| format!("{r:?} {e:8.2e}"))
+            .collect();
+        report.push(format!(
+            "golden {name:<29} {:<7} {}{}",
+            isa.name(),
+            cols.join("  "),
+            if werr.is_nan() {
+                String::new()
+            } else {
+                format!("  weights {werr:8.2e}")
+            }
+        ));
+    }
+    // The ISA the crate picks itself (`ATTNKIT_ISA` when set, else the best one): CI forces
+    // each path through this entry once.
+    let detected = Isa::detect().expect("ATTNKIT_ISA names an unsupported ISA");
+    let mut e = 0.0f64;
+    for var in &vars {
+        e = e.max(check(
+            &run(&x, &var.opts(scale, None), Run::AutoBhld),
+            &format!("[{}] detected {detected}", var.name),
+        ));
+    }
+    report.push(format!(
+        "golden {name:<29} detected ISA {detected}: AutoBhld {e:8.2e}"
+    ));
+    if let Some(rows) = &fully_masked {
+        assert!(!rows.is_empty(), "{name}: fully_masked_rows_bhi is empty");
+    }
+    eprintln!("\n{}", report.join("\n"));
+}
+
+macro_rules! golden_tests {
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                check_case(stringify!($case));
+            }
+        )*
+        #[test]
+        fn the_test_list_matches_cases() {
+            let tests = [$(stringify!($case)),*];
+            assert_eq!(tests[..], CASES[..]);
+        }
+    };
+}
+
+golden_tests!(
+    sdpa_basic,
+    sdpa_weights,
+    sdpa_cross,
+    sdpa_causal,
+    sdpa_causal_rect_topleft,
+    sdpa_causal_rect_bottomright,
+    sdpa_bool_mask,
+    sdpa_float_mask,
+    sdpa_key_padding,
+    sdpa_scale_custom,
+    sdpa_dot_product,
+    sdpa_large_logits,
+    sdpa_gqa,
+    long_sequence,
+    long_sequence_causal,
+    decode,
+);
+
+/// Every case directory in `tests/data` is checked by a test here (so a copied case cannot be
+/// forgotten), and every SDPA case of the shared golden set was copied when it is present.
+#[test]
+fn every_case_in_tests_data_is_tested() {
+    let mut dirs: Vec<String> = std::fs::read_dir(data_dir())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    dirs.sort();
+    let mut cases: Vec<String> = CASES.iter().map(|s| s.to_string()).collect();
+    cases.sort();
+    assert_eq!(dirs, cases, "tests/data and CASES disagree");
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/golden");
+    if let Ok(rd) = std::fs::read_dir(&shared) {
+        for e in rd.filter_map(|e| e.ok()) {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.starts_with("sdpa_") {
+                assert!(
+                    cases.contains(&n),
+                    "shared golden case {n} is not copied into tests/data"
+                );
+            }
+        }
+    }
+}
