@@ -81,6 +81,55 @@ pub enum AttnError {
     },
     /// The requested ISA is unknown or unsupported on this CPU.
     Isa(IsaError),
+    /// A layer's configuration is inconsistent (for example `embed_dim` not divisible by
+    /// `num_heads`): the parameter, its value, and what it must satisfy.
+    Config {
+        /// The parameter (`"embed_dim"`, `"num_heads"`, …).
+        arg: &'static str,
+        /// Its value.
+        value: usize,
+        /// The rule it breaks, with the numbers involved.
+        reason: String,
+    },
+    /// A tensor a layer needs is absent from the state dict / checkpoint.
+    MissingTensor {
+        /// Full name, prefix included (`"attn.in_proj_weight"`).
+        name: String,
+    },
+    /// A weight tensor's shape differs from the one the layer's configuration implies.
+    WeightShape {
+        /// Full name of the tensor.
+        name: String,
+        /// The shape the configuration implies.
+        expected: Vec<usize>,
+        /// The shape found.
+        got: Vec<usize>,
+    },
+    /// A weight tensor's element type cannot be converted to f32 (integers, bools, 8-bit
+    /// floats…). F32, F64, F16 and BF16 are accepted.
+    WeightDtype {
+        /// Full name of the tensor.
+        name: String,
+        /// The dtype found, as safetensors spells it (`"I64"`).
+        dtype: String,
+    },
+    /// A layer input (activations or mask) has the wrong shape: both shapes, in the argument's
+    /// own axis order.
+    InputShape {
+        /// The argument (`"query"`, `"attn_mask"`, `"key_padding_mask"`, …).
+        arg: &'static str,
+        /// The shape the other arguments imply.
+        expected: Vec<usize>,
+        /// The shape given.
+        got: Vec<usize>,
+    },
+    /// Reading or parsing a checkpoint failed (I/O error, malformed safetensors header…).
+    Checkpoint {
+        /// What was being read (a path, or `"<bytes>"`).
+        path: String,
+        /// The underlying error, as text.
+        reason: String,
+    },
 }
 
 impl fmt::Display for AttnError {
@@ -109,6 +158,18 @@ impl fmt::Display for AttnError {
             AttnError::Overflow { arg } => write!(f, "`{arg}`: size overflows usize"),
             AttnError::BadParam { arg, reason } => write!(f, "`{arg}`: {reason}"),
             AttnError::Isa(e) => write!(f, "{e}"),
+            AttnError::Config { arg, value, reason } => write!(f, "`{arg}` = {value}: {reason}"),
+            AttnError::MissingTensor { name } => write!(f, "tensor `{name}` is missing from the state dict"),
+            AttnError::WeightShape { name, expected, got } => {
+                write!(f, "tensor `{name}` has shape {got:?}, expected {expected:?}")
+            }
+            AttnError::WeightDtype { name, dtype } => {
+                write!(f, "tensor `{name}` has dtype {dtype}, expected F32, F64, F16 or BF16")
+            }
+            AttnError::InputShape { arg, expected, got } => {
+                write!(f, "`{arg}` has shape {got:?}, expected {expected:?}")
+            }
+            AttnError::Checkpoint { path, reason } => write!(f, "reading checkpoint {path}: {reason}"),
         }
     }
 }

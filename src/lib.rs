@@ -17,6 +17,7 @@ mod heads;
 mod kv_cache;
 mod merge;
 mod gemm;
+mod layers;
 mod options;
 mod scratch;
 mod sdpa;
@@ -27,6 +28,11 @@ pub use attnkit_kernels::{Isa, IsaError};
 pub use error::{AttnError, Result};
 pub use heads::{merge_heads, split_heads};
 pub use kv_cache::KvCache;
+pub use layers::{
+    dot_product_attention, scaled_dot_product_attention, AdditiveAttention, AdditiveOptions,
+    AdditiveOutput, AttnPath, KeyPadding, LayerOutput, Linear, MhaConfig, MhaMask, MhaOptions,
+    MultiheadAttention, SelfAttention, StateDict, Tokens,
+};
 pub use merge::{merge, Partial};
 pub use options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
 pub use sdpa::{sdpa, sdpa_ext, sdpa_vec};

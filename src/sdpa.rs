@@ -25,6 +25,18 @@ fn decode_suits(lq: usize, group: usize, lk: usize) -> bool {
     lq * group <= DECODE_MAX_GROUP_ROWS && lk >= lq
 }
 
+/// The kernel [`sdpa`] will run for these logical shapes (`q (B, Hq, Lq, D)`, `k (B, Hkv, Lk, D)`)
+/// and options, without weights asked for: `opts.path` when forced, else the choice of
+/// [`Path::Auto`]. Benchmarks report it.
+pub fn choose_path(q_shape: [usize; 4], k_shape: [usize; 4], opts: &SdpaOptions) -> Path {
+    let (lq, hq, hkv, lk) = (q_shape[2], q_shape[1], k_shape[1], k_shape[2]);
+    match opts.path {
+        Path::Auto if hkv > 0 && decode_suits(lq, hq / hkv, lk) => Path::Decode,
+        Path::Auto => Path::Prefill,
+        p => p,
+    }
+}
+
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + mask)·V`, written into `out`.
 ///
 /// Shapes (logical, any layout): `q (B, Hq, Lq, D)`, `k (B, Hkv, Lk, D)`, `v (B, Hkv, Lk, Dv)`,
@@ -205,6 +217,12 @@ impl Plan {
         if hkv == 0 && hq != 0 || hkv != 0 && hq % hkv != 0 {
             return Err(AttnError::HeadRatio { hq, hkv });
         }
+        // Task counts and loop bounds multiply these; with empty rows (D = Dv = 0) the buffers
+        // cannot bound them, so check them here.
+        dense_len("q", &[b, hq])?;
+        dense_len("q", &[b, hq, lq])?;
+        dense_len("k", &[b, hkv, lk])?;
+        dense_len("weights", &[lq, lk])?;
         check_len("q", q.data.len(), q.shape, q.strides)?;
         check_len("k", k.data.len(), k.shape, k.strides)?;
         check_len("v", v.data.len(), v.shape, v.strides)?;
@@ -223,9 +241,8 @@ impl Plan {
             return Err(AttnError::BadParam { arg: "window", reason: "must be at least 1" });
         }
         // The decode kernel cannot produce weights.
-        let path = match opts.path {
+        let path = match choose_path(q.shape, k.shape, opts) {
             Path::Decode if !extras_weights => Path::Decode,
-            Path::Auto if !extras_weights && decode_suits(lq, hq / hkv.max(1), lk) => Path::Decode,
             _ => Path::Prefill,
         };
         let (mut bias, mut mask) = (None, None);
@@ -295,6 +312,9 @@ impl Plan {
         if n == 0 {
             return;
         }
+        if self.shape.dv == 0 && self.lse.is_null() && self.weights.is_null() {
+            return; // nothing to write
+        }
         if self.path == Path::Decode {
             return self.run_decode(par);
         }
@@ -304,7 +324,7 @@ impl Plan {
     /// Multiply-adds of the whole call (for the sequential/parallel decision).
     pub(crate) fn work(&self) -> usize {
         let s = &self.shape;
-        s.b * s.hq * s.lq * s.lk.max(1) * (s.d + s.dv).max(1)
+        [s.b, s.hq, s.lq, s.lk.max(1), (s.d + s.dv).max(1)].iter().fold(1usize, |a, &x| a.saturating_mul(x))
     }
 
     /// Runs `f(0..n)` on the rayon pool, or inline when `par` is `Seq` or the call is small.

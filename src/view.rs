@@ -15,12 +15,15 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// Element strides of B, H and L for a dense tensor of this layout.
+    /// Element strides of B, H and L for a dense tensor of this layout. Products saturate at
+    /// `usize::MAX` instead of overflowing: such a view then fails validation with
+    /// [`AttnError::Overflow`] rather than panicking here.
     pub fn strides(self, shape: [usize; 4]) -> [usize; 3] {
         let [_, h, l, d] = shape;
+        let m = |a: usize, b: usize| a.saturating_mul(b);
         match self {
-            Layout::Bhld => [h * l * d, l * d, d],
-            Layout::Blhd => [l * h * d, d, h * d],
+            Layout::Bhld => [m(m(h, l), d), m(l, d), d],
+            Layout::Blhd => [m(m(l, h), d), d, m(h, d)],
         }
     }
 }

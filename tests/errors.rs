@@ -550,9 +550,9 @@ fn strides_whose_extent_overflows() {
 }
 
 /// Sizes whose products overflow `usize` give `Overflow`, not a panic or a wrapped size. The
-/// tensors have D = 0 or Dv = 0, so their buffers are empty and valid; the overflowing product
-/// (B·H = 2⁶⁴) is that of the mask, the extras or `sdpa_vec`'s output. (Lk = 1 and Lq = 1, so
-/// should validation ever let such a call through, it fails instead of running for hours.)
+/// tensors have D = 0 or Dv = 0, so their buffers are empty and valid. B·Hq = 2⁶⁴ is refused as
+/// `q` itself (task counts multiply it); with M = 2¹⁶ per dimension, B·Hq·Lq and Lq·Lk fit, and
+/// the overflowing product is that of the mask, the weights or `sdpa_vec`'s output.
 #[test]
 fn size_products_that_overflow() {
     let mut c = Call::base();
@@ -563,14 +563,14 @@ fn size_products_that_overflow() {
         [BIG, BIG, 1, 0],
     );
     c.lens = [Some(0); 4];
-    c.mask = Some((false, [BIG, BIG, 1, 1], 0));
+    expect(c.run(), AttnError::Overflow { arg: "q" });
+    const M: usize = 1 << 16;
+    (c.q, c.k, c.v, c.out) = ([M, M, M, 0], [M, 1, M, 0], [M, 1, M, 0], [M, M, M, 0]);
+    c.mask = Some((false, [M, M, M, M], 0));
     expect(c.run(), AttnError::Overflow { arg: "mask" });
-    c.mask = Some((true, [BIG, BIG, 1, 1], 0));
+    c.mask = Some((true, [M, M, M, M], 0));
     expect(c.run(), AttnError::Overflow { arg: "mask" });
     c.mask = None;
-    c.lse = Some(0);
-    expect(c.run(), AttnError::Overflow { arg: "lse" });
-    c.lse = None;
     c.weights = Some(0);
     expect(c.run(), AttnError::Overflow { arg: "weights" });
 

@@ -109,6 +109,17 @@ unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(a: &DecodeArgs, 
             // Scores: one dot product per (row, key), two accumulators to halve the FMA chain.
             for jj in 0..nk {
                 let kp = a.k.add((jb + jj) * a.ldk);
+                // The loop is latency-bound on memory with few rows: ask for the next block's K
+                // and V rows now (a prefetch past the end of the range is harmless).
+                if jb + KB + jj < a.j_end {
+                    let (kn, vn) = (a.k.add((jb + KB + jj) * a.ldk), a.v.add((jb + KB + jj) * a.ldv));
+                    for off in (0..d).step_by(16) {
+                        S::prefetch(kn.add(off));
+                    }
+                    for off in (0..dv).step_by(16) {
+                        S::prefetch(vn.add(off));
+                    }
+                }
                 let mut acc0 = [S::splat(0.0); R];
                 let mut acc1 = [S::splat(0.0); R];
                 let mut c = 0;

@@ -336,3 +336,51 @@ pub(crate) unsafe fn exp_scale<S: Simd>(x: &mut [f32], m: f32, k: f32) {
         }
     }
 }
+
+/// Numerically stable softmax of a row in place (the unfused baseline's kernel): one pass for
+/// the max, one for `e = 2^((x − max)·log2 e)` and its sum, one to normalise. A row of all −inf
+/// becomes zeros; NaN propagates.
+#[inline(always)]
+pub(crate) unsafe fn softmax<S: Simd>(x: &mut [f32]) {
+    let w = S::W;
+    let n = x.len();
+    let full = n / w * w;
+    // SAFETY: vector accesses stay below `full`, a lane multiple ≤ n; the tail is scalar.
+    unsafe {
+        let p = x.as_mut_ptr();
+        let mut mv = S::splat(f32::NEG_INFINITY);
+        for c in (0..full).step_by(w) {
+            mv = S::max(mv, S::load(p.add(c)));
+        }
+        let mut mx = S::hmax(mv);
+        for &v in &x[full..] {
+            if v > mx || v.is_nan() {
+                mx = v;
+            }
+        }
+        if mx == f32::NEG_INFINITY {
+            x.fill(0.0);
+            return;
+        }
+        // Subtract before converting to base 2: exact near the max, where it matters.
+        let (mxv, l2e) = (S::splat(mx), S::splat(LOG2E));
+        let mut sv = S::splat(0.0);
+        for c in (0..full).step_by(w) {
+            let e = exp2::<S>(S::mul(S::sub(S::load(p.add(c)), mxv), l2e));
+            S::store(p.add(c), e);
+            sv = S::add(sv, e);
+        }
+        let mut sum = S::hsum(sv);
+        for v in &mut x[full..] {
+            *v = ((*v - mx) * LOG2E).exp2();
+            sum += *v;
+        }
+        let inv = S::splat(1.0 / sum);
+        for c in (0..full).step_by(w) {
+            S::store(p.add(c), S::mul(S::load(p.add(c)), inv));
+        }
+        for v in &mut x[full..] {
+            *v /= sum;
+        }
+    }
+}

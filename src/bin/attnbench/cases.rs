@@ -117,9 +117,15 @@ pub fn preset(name: &str) -> Option<Vec<Case>> {
             (4, 12, 512, 64),
             (1, 16, 4096, 64),
         ]),
+        // Hkv = 32 (MHA) and Hkv = 8 (GQA, 4 query heads per KV head) at each cache length.
         "decode" => [1024, 8192, 32768]
             .iter()
-            .map(|&lk| Case::new(1, 32, 1, lk, 128, false))
+            .flat_map(|&lk| {
+                [32, 8].map(|hkv| Case {
+                    hkv,
+                    ..Case::new(1, 32, 1, lk, 128, false)
+                })
+            })
             .collect(),
         "small" => square(&[(2, 8, 10, 16), (1, 4, 64, 32)]),
         // EXTENSION POINT (layers): the multi-head and additive layers do not exist yet. When they

@@ -7,7 +7,7 @@
 use crate::cases::Case;
 use attnkit::kernels::reference;
 use attnkit::unfused::{sdpa_unfused_with, Backend};
-use attnkit::{sdpa, Causal, Isa, SdpaOptions, Tensor, TensorMut};
+use attnkit::{choose_path, sdpa, Causal, Isa, Path, SdpaOptions, Tensor, TensorMut};
 
 /// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed.
 pub struct Inputs {
@@ -50,8 +50,9 @@ impl Inputs {
 pub trait Impl: Sync {
     /// The `impl` field of the output.
     fn name(&self) -> &'static str;
-    /// The `isa` field of the output, given the ISA the run uses.
-    fn isa_label(&self, isa: Isa) -> String {
+    /// The `isa` field of the output, given the ISA the run uses (and, for ours, the kernel the
+    /// case runs on: `avx512/decode`).
+    fn isa_label(&self, isa: Isa, _case: &Case) -> String {
         isa.name().to_string()
     }
     /// Threads it really uses when the rayon pool has `pool` threads.
@@ -67,7 +68,14 @@ pub trait Impl: Sync {
 }
 
 /// Names accepted by `--impl`, in output order.
-pub const NAMES: &[&str] = &["fused", "unfused-mm", "unfused-blas", "naive"];
+pub const NAMES: &[&str] = &[
+    "fused",
+    "fused-prefill",
+    "fused-decode",
+    "unfused-mm",
+    "unfused-blas",
+    "naive",
+];
 /// Reserved for the attention layers (not implemented yet).
 pub const LAYERS: &[&str] = &["mha", "additive"];
 
@@ -86,6 +94,10 @@ fn views<'a>(
     )
 }
 
+fn shapes(case: &Case) -> ([usize; 4], [usize; 4]) {
+    ([case.b, case.h, case.lq, case.d], [case.b, case.hkv, case.lk, case.d])
+}
+
 fn options(case: &Case, isa: Isa) -> SdpaOptions<'static> {
     let o = SdpaOptions::new().isa(isa);
     if case.causal {
@@ -95,16 +107,23 @@ fn options(case: &Case, isa: Isa) -> SdpaOptions<'static> {
     }
 }
 
-/// `attnkit::sdpa`: the fused kernel, on the current rayon pool.
-struct Fused;
+/// `attnkit::sdpa`: the fused kernels on the current rayon pool, the path chosen from the shape
+/// (`fused`) or forced (`fused-prefill`, `fused-decode`).
+struct Fused(&'static str, Path);
 
 impl Impl for Fused {
     fn name(&self) -> &'static str {
-        "fused"
+        self.0
+    }
+    fn isa_label(&self, isa: Isa, case: &Case) -> String {
+        let (qs, ks) = shapes(case);
+        let path = choose_path(qs, ks, &options(case, isa).path(self.1));
+        let path = if path == Path::Decode { "decode" } else { "prefill" };
+        format!("{}/{path}", isa.name())
     }
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
         let (q, k, v, mut o) = views(case, inp, out);
-        sdpa(&q, &k, &v, &mut o, &options(case, isa)).expect("sdpa failed");
+        sdpa(&q, &k, &v, &mut o, &options(case, isa).path(self.1)).expect("sdpa failed");
     }
 }
 
@@ -131,7 +150,7 @@ impl Impl for Naive {
     fn name(&self) -> &'static str {
         "naive"
     }
-    fn isa_label(&self, _isa: Isa) -> String {
+    fn isa_label(&self, _isa: Isa, _case: &Case) -> String {
         "reference".into()
     }
     fn threads(&self, _pool: usize) -> usize {
@@ -176,7 +195,9 @@ impl Impl for Naive {
 /// The implementation called `name`, `Err(reason)` when this build or this crate cannot run it.
 pub fn by_name(name: &str, naive_max_macs: f64) -> Result<Box<dyn Impl>, String> {
     match name {
-        "fused" => Ok(Box::new(Fused)),
+        "fused" => Ok(Box::new(Fused("fused", Path::Auto))),
+        "fused-prefill" => Ok(Box::new(Fused("fused-prefill", Path::Prefill))),
+        "fused-decode" => Ok(Box::new(Fused("fused-decode", Path::Decode))),
         "unfused-mm" => Ok(Box::new(Unfused("unfused-mm", Backend::MatrixMultiply))),
         #[cfg(feature = "blas")]
         "unfused-blas" => Ok(Box::new(Unfused("unfused-blas", Backend::Blas))),

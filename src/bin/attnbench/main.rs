@@ -442,7 +442,7 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
                     imp: imp.name().to_string(),
                     case: *case,
                     threads,
-                    isa: imp.isa_label(cfg.isa),
+                    isa: imp.isa_label(cfg.isa, case),
                     median_s: median,
                     gflops,
                     pct_peak: peak.map(|p| 100.0 * gflops / p),

@@ -180,7 +180,15 @@ fn parse_flat_object(s: &str) -> Result<BTreeMap<String, Value>, String> {
 
 /// Implementation order of the tables: ours first, then the peers, then anything else.
 fn impl_order(records: &[Record]) -> Vec<String> {
-    let known = ["fused", "unfused-mm", "unfused-blas", "torch-sdpa", "naive"];
+    let known = [
+        "fused",
+        "fused-prefill",
+        "fused-decode",
+        "unfused-mm",
+        "unfused-blas",
+        "torch-sdpa",
+        "naive",
+    ];
     let mut names: Vec<String> = known
         .iter()
         .filter(|k| records.iter().any(|r| r.imp == **k))

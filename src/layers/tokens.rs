@@ -1,0 +1,106 @@
+//! [`Tokens`]: a borrowed `(B, L, E)` batch of sequences of vectors.
+
+use crate::error::{AttnError, Result};
+use crate::view::check_len;
+
+/// A borrowed batch of sequences of `E`-vectors, logical shape `(B, L, E)`: element `(b, l, e)`
+/// at `b·strides[0] + l·strides[1] + e` (the vector axis is contiguous). Building one never
+/// copies and never fails; the layer that reads it validates it and names it in errors.
+///
+/// PyTorch's two layouts are both plain strides: `batch_first=True` is
+/// [`Tokens::batch_first`] `(B, L, E)`, the default sequence-first layout is
+/// [`Tokens::seq_first`] `(L, B, E)`. Layer outputs use the memory order of the query.
+///
+/// ```
+/// use attnkit::Tokens;
+/// let x = vec![0.0f32; 2 * 10 * 128];
+/// let bf = Tokens::batch_first(&x, [2, 10, 128]); // (B, L, E)
+/// let sf = Tokens::seq_first(&x, [10, 2, 128]);   // (L, B, E) memory, same logical shape
+/// assert_eq!(bf.shape(), [2, 10, 128]);
+/// assert_eq!(sf.shape(), [2, 10, 128]);
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct Tokens<'a> {
+    pub(crate) data: &'a [f32],
+    pub(crate) shape: [usize; 3],
+    pub(crate) strides: [usize; 2],
+}
+
+impl<'a> Tokens<'a> {
+    /// Dense `(B, L, E)` memory (PyTorch `batch_first=True`).
+    pub fn batch_first(data: &'a [f32], shape: [usize; 3]) -> Self {
+        let [b, l, e] = shape;
+        Tokens {
+            data,
+            shape: [b, l, e],
+            strides: [l * e, e],
+        }
+    }
+    /// Dense `(L, B, E)` memory (PyTorch's default `batch_first=False`); `shape` is given in that
+    /// memory order, `[L, B, E]`.
+    pub fn seq_first(data: &'a [f32], shape: [usize; 3]) -> Self {
+        let [l, b, e] = shape;
+        Tokens {
+            data,
+            shape: [b, l, e],
+            strides: [e, b * e],
+        }
+    }
+    /// One unbatched sequence `(L, E)` (B = 1).
+    pub fn unbatched(data: &'a [f32], shape: [usize; 2]) -> Self {
+        Self::batch_first(data, [1, shape[0], shape[1]])
+    }
+    /// Any strides for B and L (`E` contiguous), e.g. a slice of a wider buffer.
+    pub fn strided(data: &'a [f32], shape: [usize; 3], strides: [usize; 2]) -> Self {
+        Tokens {
+            data,
+            shape,
+            strides,
+        }
+    }
+    /// Logical shape `(B, L, E)`.
+    pub fn shape(&self) -> [usize; 3] {
+        self.shape
+    }
+    /// Whether the sequence axis is the outer one in memory (`(L, B, E)` order); outputs
+    /// computed from this input as query use the same order.
+    pub fn is_seq_first(&self) -> bool {
+        self.shape[0] > 1 && self.shape[1] > 1 && self.strides[0] < self.strides[1]
+    }
+    /// Whether two views are the same memory with the same shape and strides (self-attention).
+    pub(crate) fn same_as(&self, other: &Tokens) -> bool {
+        core::ptr::eq(self.data.as_ptr(), other.data.as_ptr())
+            && self.data.len() == other.data.len()
+            && self.shape == other.shape
+            && self.strides == other.strides
+    }
+    /// Checks the buffer covers the view, and the width `E` if given.
+    pub(crate) fn validate(&self, arg: &'static str, width: Option<usize>) -> Result<()> {
+        let [b, l, e] = self.shape;
+        if let Some(w) = width {
+            if e != w {
+                return Err(AttnError::ShapeMismatch {
+                    arg,
+                    dim: "E",
+                    expected: w,
+                    got: e,
+                });
+            }
+        }
+        check_len(
+            arg,
+            self.data.len(),
+            [b, 1, l, e],
+            [self.strides[0], 0, self.strides[1]],
+        )
+    }
+    /// Row strides `(b, l)` of a dense `(B, L, n)` buffer in this view's memory order.
+    pub(crate) fn dense_strides(&self, n: usize) -> [usize; 2] {
+        let [b, l, _] = self.shape;
+        if self.is_seq_first() {
+            [n, b * n]
+        } else {
+            [l * n, n]
+        }
+    }
+}

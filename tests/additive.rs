@@ -1,0 +1,495 @@
+//! `AdditiveAttention` against the PyTorch golden (`tests/data/additive_attention`) on every
+//! ISA, against an f64 reference of the whole layer (projections included) on random shapes
+//! with masks and key lengths, the concat-form equivalence, the state dict round trip, and typed
+//! errors.
+
+mod common;
+
+use attnkit::{
+    AdditiveAttention, AdditiveOptions, AttnError, AttnMask, MaskRef, Par, StateDict, Tokens,
+};
+use common::{compare, isas, randn};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::path::PathBuf;
+
+fn read(case: &str, file: &str, n: usize, size: usize) -> Vec<u8> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(case)
+        .join(file);
+    let b = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    assert_eq!(b.len(), n * size, "{case}/{file}: expected {n} elements");
+    b
+}
+
+fn f32s(name: &str, n: usize) -> Vec<f32> {
+    read("additive_attention", &format!("{name}.f32"), n, 4)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn f64s(name: &str, n: usize) -> Vec<f64> {
+    read("additive_attention", &format!("{name}.f64"), n, 8)
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn check(tag: &str, got: &[f32], want: &[f64]) -> f64 {
+    let (max, bad, first) = compare(got, want);
+    assert_eq!(
+        bad, 0,
+        "{tag}: {bad} elements out of tolerance, first at {first:?} (max err {max:e})"
+    );
+    max
+}
+
+const B: usize = 2;
+const LQ: usize = 5;
+const LK: usize = 9;
+const DQ: usize = 12;
+const DK: usize = 10;
+const DV: usize = 7;
+const A: usize = 16;
+
+fn golden_layer() -> AdditiveAttention {
+    AdditiveAttention::new(
+        f32s("W_q", A * DQ),
+        f32s("W_k", A * DK),
+        Some(f32s("b", A)),
+        f32s("v", A),
+        A,
+        DQ,
+        DK,
+    )
+    .unwrap()
+}
+
+#[test]
+fn golden_additive_attention() {
+    let layer = golden_layer();
+    let (q, k, v) = (
+        f32s("query", B * LQ * DQ),
+        f32s("keys", B * LK * DK),
+        f32s("values", B * LK * DV),
+    );
+    let out = f64s("out", B * LQ * DV);
+    let w = f64s("weights", B * LQ * LK);
+    let s = f64s("scores", B * LQ * LK);
+    // The same weights in the textbook concat form W = [W_q | W_k].
+    let (wq, wk) = (f32s("W_q", A * DQ), f32s("W_k", A * DK));
+    let concat: Vec<f32> = (0..A)
+        .flat_map(|a| {
+            wq[a * DQ..(a + 1) * DQ]
+                .iter()
+                .chain(&wk[a * DK..(a + 1) * DK])
+                .copied()
+        })
+        .collect();
+    let from_concat =
+        AdditiveAttention::from_concat(&concat, Some(f32s("b", A)), f32s("v", A), A, DQ, DK)
+            .unwrap();
+    assert_eq!(from_concat, layer);
+    let seq = |x: &[f32], l: usize, e: usize| -> Vec<f32> {
+        let mut y = vec![0.0; x.len()];
+        for bi in 0..B {
+            for li in 0..l {
+                y[(li * B + bi) * e..(li * B + bi + 1) * e]
+                    .copy_from_slice(&x[(bi * l + li) * e..(bi * l + li + 1) * e]);
+            }
+        }
+        y
+    };
+    let (qs, ks, vs) = (seq(&q, LQ, DQ), seq(&k, LK, DK), seq(&v, LK, DV));
+    for isa in isas() {
+        for par in [Par::Rayon, Par::Seq] {
+            let y = layer
+                .forward(
+                    &Tokens::batch_first(&q, [B, LQ, DQ]),
+                    &Tokens::batch_first(&k, [B, LK, DK]),
+                    &Tokens::batch_first(&v, [B, LK, DV]),
+                    &AdditiveOptions::new().isa(isa).par(par).outputs(true, true),
+                )
+                .unwrap();
+            let e1 = check(&format!("additive {isa} out"), &y.out, &out);
+            let e2 = check(
+                &format!("additive {isa} weights"),
+                y.weights.as_ref().unwrap(),
+                &w,
+            );
+            let e3 = check(
+                &format!("additive {isa} scores"),
+                y.scores.as_ref().unwrap(),
+                &s,
+            );
+            // Sequence-first inputs: output (Lq, B, Dv).
+            let ys = layer
+                .forward(
+                    &Tokens::seq_first(&qs, [LQ, B, DQ]),
+                    &Tokens::seq_first(&ks, [LK, B, DK]),
+                    &Tokens::seq_first(&vs, [LK, B, DV]),
+                    &AdditiveOptions::new().isa(isa).par(par),
+                )
+                .unwrap();
+            assert_eq!(ys.shape, [LQ, B, DV]);
+            assert_eq!(
+                ys.out,
+                seq(&y.out, LQ, DV),
+                "{isa}: seq-first must be the same numbers"
+            );
+            if par == Par::Rayon {
+                eprintln!("additive_attention {isa}: max err out {e1:.2e}, weights {e2:.2e}, scores {e3:.2e}");
+            }
+        }
+    }
+}
+
+/// The whole layer in f64: projections, exact tanh, masks, softmax, weighted values.
+#[allow(clippy::too_many_arguments)]
+fn reference(
+    wq: &[f32],
+    wk: &[f32],
+    bias: &[f32],
+    wv: &[f32],
+    (a, dq, dk, dv): (usize, usize, usize, usize),
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (b, lq, lk): (usize, usize, usize),
+    visible: &dyn Fn(usize, usize, usize) -> Option<f64>,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut out = vec![0.0; b * lq * dv];
+    let mut w = vec![0.0; b * lq * lk];
+    for bi in 0..b {
+        let qp: Vec<f64> = (0..lq * a)
+            .map(|t| {
+                let (i, x) = (t / a, t % a);
+                bias[x] as f64
+                    + (0..dq)
+                        .map(|p| wq[x * dq + p] as f64 * q[(bi * lq + i) * dq + p] as f64)
+                        .sum::<f64>()
+            })
+            .collect();
+        let kp: Vec<f64> = (0..lk * a)
+            .map(|t| {
+                let (j, x) = (t / a, t % a);
+                (0..dk)
+                    .map(|p| wk[x * dk + p] as f64 * k[(bi * lk + j) * dk + p] as f64)
+                    .sum::<f64>()
+            })
+            .collect();
+        for i in 0..lq {
+            let s: Vec<f64> = (0..lk)
+                .map(|j| match visible(bi, i, j) {
+                    None => f64::NEG_INFINITY,
+                    Some(add) => {
+                        add + (0..a)
+                            .map(|x| wv[x] as f64 * (qp[i * a + x] + kp[j * a + x]).tanh())
+                            .sum::<f64>()
+                    }
+                })
+                .collect();
+            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            if mx == f64::NEG_INFINITY {
+                continue;
+            }
+            let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+            for j in 0..lk {
+                let p = (s[j] - mx).exp() / z;
+                w[(bi * lq + i) * lk + j] = p;
+                for c in 0..dv {
+                    out[(bi * lq + i) * dv + c] += p * v[(bi * lk + j) * dv + c] as f64;
+                }
+            }
+        }
+    }
+    (out, w)
+}
+
+#[test]
+fn random_shapes_match_f64_reference() {
+    let mut rng = SmallRng::seed_from_u64(31);
+    // (B, Lq, Lk, Dq, Dk, Dv, A)
+    let shapes = [
+        (1, 1, 1, 1, 1, 1, 1),
+        (2, 3, 17, 5, 6, 7, 9),
+        (3, 20, 33, 16, 8, 24, 32),
+        (1, 40, 300, 32, 32, 16, 64),
+        (2, 17, 129, 8, 12, 40, 17),
+    ];
+    for (n, &(b, lq, lk, dq, dk, dv, a)) in shapes.iter().enumerate() {
+        let wq = randn(&mut rng, a * dq, 0.3);
+        let wk = randn(&mut rng, a * dk, 0.3);
+        let bias = randn(&mut rng, a, 0.1);
+        let wv = randn(&mut rng, a, 1.0 / (a as f32).sqrt());
+        let layer = AdditiveAttention::new(
+            wq.clone(),
+            wk.clone(),
+            Some(bias.clone()),
+            wv.clone(),
+            a,
+            dq,
+            dk,
+        )
+        .unwrap();
+        let q = randn(&mut rng, b * lq * dq, 1.0);
+        let k = randn(&mut rng, b * lk * dk, 1.0);
+        let v = randn(&mut rng, b * lk * dv, 1.0);
+        let lens: Vec<usize> = (0..b)
+            .map(|i| if i == 0 { lk } else { rng.gen_range(0..=lk) })
+            .collect();
+        let mask: Vec<bool> = (0..b * lq * lk).map(|_| rng.gen_bool(0.8)).collect();
+        let bias_mask = randn(&mut rng, lq * lk, 1.0);
+        let dims = (a, dq, dk, dv);
+        let sizes = (b, lq, lk);
+        type Vis<'m> = Box<dyn Fn(usize, usize, usize) -> Option<f64> + 'm>;
+        let variants: Vec<(&str, AdditiveOptions, Vis)> = vec![
+            (
+                "plain",
+                AdditiveOptions::new(),
+                Box::new(|_, _, _| Some(0.0)),
+            ),
+            (
+                "lengths+mask",
+                AdditiveOptions::new()
+                    .key_lengths(&lens)
+                    .mask(AttnMask::Bool(MaskRef::new(&mask, [b, 1, lq, lk]))),
+                Box::new(|bi, i, j| (j < lens[bi] && mask[(bi * lq + i) * lk + j]).then_some(0.0)),
+            ),
+            (
+                "bias",
+                AdditiveOptions::new()
+                    .mask(AttnMask::Bias(MaskRef::new(&bias_mask, [1, 1, lq, lk]))),
+                Box::new(|_, i, j| Some(bias_mask[i * lk + j] as f64)),
+            ),
+        ];
+        for (name, opts, vis) in &variants {
+            let (want, want_w) =
+                reference(&wq, &wk, &bias, &wv, dims, &q, &k, &v, sizes, vis.as_ref());
+            for isa in isas() {
+                let y = layer
+                    .forward(
+                        &Tokens::batch_first(&q, [b, lq, dq]),
+                        &Tokens::batch_first(&k, [b, lk, dk]),
+                        &Tokens::batch_first(&v, [b, lk, dv]),
+                        &opts.isa(isa).outputs(true, false),
+                    )
+                    .unwrap();
+                check(&format!("shape {n} {name} {isa} out"), &y.out, &want);
+                check(
+                    &format!("shape {n} {name} {isa} weights"),
+                    y.weights.as_ref().unwrap(),
+                    &want_w,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn parallel_equals_sequential_bitwise() {
+    let mut rng = SmallRng::seed_from_u64(3);
+    let (b, lq, lk, d, a) = (2, 70, 300, 32, 48);
+    let layer = AdditiveAttention::new(
+        randn(&mut rng, a * d, 0.3),
+        randn(&mut rng, a * d, 0.3),
+        None,
+        randn(&mut rng, a, 0.3),
+        a,
+        d,
+        d,
+    )
+    .unwrap();
+    let (q, k) = (
+        randn(&mut rng, b * lq * d, 1.0),
+        randn(&mut rng, b * lk * d, 1.0),
+    );
+    let (qt, kt) = (
+        Tokens::batch_first(&q, [b, lq, d]),
+        Tokens::batch_first(&k, [b, lk, d]),
+    );
+    let run = |par: Par, threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            layer
+                .forward(
+                    &qt,
+                    &kt,
+                    &kt,
+                    &AdditiveOptions::new().par(par).outputs(true, true),
+                )
+                .unwrap()
+        })
+    };
+    let seq = run(Par::Seq, 1);
+    for threads in [1, 2, 3] {
+        assert_eq!(run(Par::Rayon, threads), seq, "{threads} threads");
+    }
+}
+
+#[test]
+fn state_dict_round_trip_and_errors() {
+    let layer = golden_layer();
+    let bytes = layer.state_dict("attention").to_safetensors().unwrap();
+    let sd = StateDict::from_safetensors(&bytes).unwrap();
+    assert_eq!(
+        AdditiveAttention::from_state_dict(&sd, "attention").unwrap(),
+        layer
+    );
+    // d2l layout: w_v as (1, A) with no biases; a (A,) vector is accepted too.
+    let mut sd2 = sd.clone();
+    let (_, v) = sd.tensor("attention.w_v.weight").unwrap();
+    sd2.insert("attention.w_v.weight", &[A], &v).unwrap();
+    assert_eq!(
+        AdditiveAttention::from_state_dict(&sd2, "attention").unwrap(),
+        layer
+    );
+    // Errors name the tensor and both shapes.
+    let mut bad = sd.clone();
+    bad.remove("attention.W_k.weight");
+    assert_eq!(
+        AdditiveAttention::from_state_dict(&bad, "attention").unwrap_err(),
+        AttnError::MissingTensor {
+            name: "attention.W_k.weight".into()
+        }
+    );
+    let mut bad = sd.clone();
+    bad.insert("attention.W_k.weight", &[15, DK], &vec![0.0; 15 * DK])
+        .unwrap();
+    assert_eq!(
+        AdditiveAttention::from_state_dict(&bad, "attention").unwrap_err(),
+        AttnError::WeightShape {
+            name: "attention.W_k.weight".into(),
+            expected: vec![A, DK],
+            got: vec![15, DK]
+        }
+    );
+    let mut bad = sd.clone();
+    bad.insert("attention.W_q.bias", &[A + 1], &vec![0.0; A + 1])
+        .unwrap();
+    assert_eq!(
+        AdditiveAttention::from_state_dict(&bad, "attention").unwrap_err(),
+        AttnError::WeightShape {
+            name: "attention.W_q.bias".into(),
+            expected: vec![A],
+            got: vec![A + 1]
+        }
+    );
+    assert_eq!(
+        AdditiveAttention::new(vec![0.0; 3], vec![0.0; 4], None, vec![0.0; 2], 2, 2, 2)
+            .unwrap_err(),
+        AttnError::WeightShape {
+            name: "W_q".into(),
+            expected: vec![2, 2],
+            got: vec![3]
+        }
+    );
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let layer = golden_layer();
+    let (q, k, v) = (
+        vec![0.0f32; B * LQ * DQ],
+        vec![0.0f32; B * LK * DK],
+        vec![0.0f32; B * LK * DV],
+    );
+    let (qt, kt, vt) = (
+        Tokens::batch_first(&q, [B, LQ, DQ]),
+        Tokens::batch_first(&k, [B, LK, DK]),
+        Tokens::batch_first(&v, [B, LK, DV]),
+    );
+    let o = AdditiveOptions::new();
+    assert_eq!(
+        layer.forward(&kt, &kt, &vt, &o).unwrap_err(),
+        AttnError::ShapeMismatch {
+            arg: "queries",
+            dim: "E",
+            expected: DQ,
+            got: DK
+        }
+    );
+    let v_short = Tokens::batch_first(&v[..B * 4 * DV], [B, 4, DV]);
+    assert_eq!(
+        layer.forward(&qt, &kt, &v_short, &o).unwrap_err(),
+        AttnError::ShapeMismatch {
+            arg: "values",
+            dim: "L",
+            expected: LK,
+            got: 4
+        }
+    );
+    assert_eq!(
+        layer
+            .forward(&qt, &kt, &vt, &o.key_lengths(&[9, 10]))
+            .unwrap_err(),
+        AttnError::KeyLength {
+            batch: 1,
+            len: 10,
+            lk: 9
+        }
+    );
+    assert_eq!(
+        layer
+            .forward(&qt, &kt, &vt, &o.key_lengths(&[9]))
+            .unwrap_err(),
+        AttnError::InputShape {
+            arg: "key_lengths",
+            expected: vec![2],
+            got: vec![1]
+        }
+    );
+    let m = vec![true; B * 2 * LQ * LK];
+    assert_eq!(
+        layer
+            .forward(
+                &qt,
+                &kt,
+                &vt,
+                &o.mask(AttnMask::Bool(MaskRef::new(&m, [B, 2, LQ, LK])))
+            )
+            .unwrap_err(),
+        AttnError::InputShape {
+            arg: "mask",
+            expected: vec![B, 1, LQ, LK],
+            got: vec![B, 2, LQ, LK]
+        }
+    );
+    assert!(matches!(
+        layer
+            .forward(
+                &qt,
+                &kt,
+                &vt,
+                &o.mask(AttnMask::Bool(MaskRef::new(&m[..5], [1, 1, 1, LK])))
+            )
+            .unwrap_err(),
+        AttnError::BufferLength {
+            arg: "mask",
+            needed: 9,
+            got: 5
+        }
+    ));
+    let mut out = vec![0.0f32; 3];
+    assert!(matches!(
+        layer
+            .forward_into(&qt, &kt, &vt, &mut out, None, None, &o)
+            .unwrap_err(),
+        AttnError::BufferLength { arg: "out", .. }
+    ));
+    // Fully masked rows give zeros, never NaN.
+    let lens = [0usize, 3];
+    let y = layer
+        .forward(&qt, &kt, &vt, &o.key_lengths(&lens).outputs(true, true))
+        .unwrap();
+    assert!(y.out[..LQ * DV].iter().all(|&x| x == 0.0));
+    assert!(y.weights.unwrap()[..LQ * LK].iter().all(|&x| x == 0.0));
+    assert!(y.scores.unwrap()[..LQ * LK]
+        .iter()
+        .all(|&x| x == f32::NEG_INFINITY));
+}
