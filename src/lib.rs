@@ -35,7 +35,7 @@ pub use layers::{
 };
 pub use merge::{merge, Partial};
 pub use options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
-pub use sdpa::{sdpa, sdpa_ext, sdpa_vec};
+pub use sdpa::{choose_path, sdpa, sdpa_ext, sdpa_vec};
 pub use view::{Layout, Tensor, TensorMut};
 
 /// The raw-slice kernel crate, re-exported for benchmarks and advanced use.
