@@ -10,7 +10,7 @@ use crate::options::Par;
 /// Rows per projection task. Fixed (never derived from the thread count), so the split, and
 /// with it every result, is the same on any pool. Large enough that each task amortises packing
 /// the weight matrix (which `matrixmultiply` does once per call).
-const ROW_BLOCK: usize = 128;
+const ROW_BLOCK: usize = 256;
 
 /// How a layer runs its GEMMs.
 #[derive(Clone, Copy, Debug)]
