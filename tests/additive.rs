@@ -370,7 +370,7 @@ fn state_dict_round_trip_and_errors() {
         }
     );
     let mut bad = sd.clone();
-    bad.insert("attention.W_q.bias", &[A + 1], &vec![0.0; A + 1])
+    bad.insert("attention.W_q.bias", &[A + 1], &[0.0; A + 1])
         .unwrap();
     assert_eq!(
         AdditiveAttention::from_state_dict(&bad, "attention").unwrap_err(),

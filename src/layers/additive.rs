@@ -496,7 +496,9 @@ impl AdditiveAttention {
         };
 
         // k′ᵀ per batch element: (A, ldkt), zero padding columns.
-        let ldkt = lk.div_ceil(ADDITIVE_KEY_PAD) * ADDITIVE_KEY_PAD;
+        let ldkt = lk
+            .checked_next_multiple_of(ADDITIVE_KEY_PAD)
+            .ok_or(AttnError::Overflow { arg: "keys" })?;
         let per_b = product("keys", &[a, ldkt])?;
         let mut kt = vec![0.0f32; product("keys", &[b, per_b])?];
         if self.dk > 0 && lk > 0 {

@@ -711,10 +711,11 @@ fn sdpa_masks<'a>(
                     got: shape.to_vec(),
                 });
             }
-            if len != b * lk {
+            let needed = product("key_padding_mask", &[b, lk])?;
+            if len != needed {
                 return Err(AttnError::BufferLength {
                     arg: "key_padding_mask",
-                    needed: b * lk,
+                    needed,
                     got: len,
                 });
             }
