@@ -109,17 +109,6 @@ unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(a: &DecodeArgs, 
             // Scores: one dot product per (row, key), two accumulators to halve the FMA chain.
             for jj in 0..nk {
                 let kp = a.k.add((jb + jj) * a.ldk);
-                // The loop is latency-bound on memory with few rows: ask for the next block's K
-                // and V rows now (a prefetch past the end of the range is harmless).
-                if jb + KB + jj < a.j_end {
-                    let (kn, vn) = (a.k.add((jb + KB + jj) * a.ldk), a.v.add((jb + KB + jj) * a.ldv));
-                    for off in (0..d).step_by(16) {
-                        S::prefetch(kn.add(off));
-                    }
-                    for off in (0..dv).step_by(16) {
-                        S::prefetch(vn.add(off));
-                    }
-                }
                 let mut acc0 = [S::splat(0.0); R];
                 let mut acc1 = [S::splat(0.0); R];
                 let mut c = 0;
@@ -195,14 +184,23 @@ unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(a: &DecodeArgs, 
                         *x = S::load(obuf.as_ptr().add(r * dvp + c + cb * w));
                     }
                 }
+                // Full passes run a branch-free body; only the last pass of a row is shorter.
+                let full_pass = nc == NC;
                 for jj in 0..nk {
                     let vrow = a.v.add((jb + jj) * a.ldv + c);
                     let mut pr = [S::splat(0.0); R];
                     for r in 0..R {
                         pr[r] = S::splat(sbuf[r * KB + jj]);
                     }
-                    for cb in 0..NC {
-                        if cb < nc {
+                    if full_pass {
+                        for cb in 0..NC {
+                            let vv = S::load(vrow.add(cb * w));
+                            for r in 0..R {
+                                acc[r][cb] = S::fma(pr[r], vv, acc[r][cb]);
+                            }
+                        }
+                    } else {
+                        for cb in 0..nc {
                             let vv = S::load(vrow.add(cb * w));
                             for r in 0..R {
                                 acc[r][cb] = S::fma(pr[r], vv, acc[r][cb]);

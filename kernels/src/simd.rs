@@ -28,10 +28,6 @@ pub(crate) trait Simd: Copy {
     unsafe fn pow2i(n: Self::V) -> Self::V;
     unsafe fn hsum(a: Self::V) -> f32;
     unsafe fn hmax(a: Self::V) -> f32;
-    /// Hints that the cache line holding `p` will be read soon (a no-op where unsupported).
-    /// Any address is allowed: a prefetch never faults.
-    #[inline(always)]
-    unsafe fn prefetch(_p: *const f32) {}
 }
 
 /// Coefficients of a degree-6 fit of 2^f on f ∈ [-0.5, 0.5] (relative error 1.6e-8 before

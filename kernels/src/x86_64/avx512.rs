@@ -73,11 +73,6 @@ impl Simd for Avx512 {
         }
     }
     #[inline(always)]
-    unsafe fn prefetch(p: *const f32) {
-        // SAFETY: see the impl comment; prefetching any address is harmless.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
-    }
-    #[inline(always)]
     unsafe fn hsum(a: __m512) -> f32 {
         // SAFETY: see the impl comment.
         unsafe { _mm512_reduce_add_ps(a) }
