@@ -16,13 +16,14 @@ const Q_BLOCK: usize = 96;
 /// more than it saves.
 const PAR_MIN_WORK: usize = 1 << 20;
 
-/// Query rows per KV head up to which the decode kernel beats the tiled one (measured, see
-/// BENCHMARKS.md): it reads K and V once per group but reduces each score horizontally.
-const DECODE_MAX_GROUP_ROWS: usize = 8;
-
-/// Whether [`Path::Auto`] picks the decode kernel for `lq` queries × `group` heads per KV head.
+/// Whether [`Path::Auto`] picks the decode kernel for `lq` queries × `group` query heads per KV
+/// head. The decode kernel reads K and V once per group but pays a horizontal reduction per
+/// (row, key); the tiled kernel reads them once per query head and wastes lanes below 16 rows.
+/// Crossover measured with attnbench (`fused-prefill` vs `fused-decode`, H = 32, D = 128,
+/// Lk = 4096, one thread): decode wins up to Lq = 4 for any group size and up to Lq = 8 once
+/// four or more query heads share a KV head (BENCHMARKS.md, "Path choice").
 fn decode_suits(lq: usize, group: usize, lk: usize) -> bool {
-    lq * group <= DECODE_MAX_GROUP_ROWS && lk >= lq
+    (lq <= 4 || (lq <= 8 && group >= 4)) && lk >= lq
 }
 
 /// The kernel [`sdpa`] will run for these logical shapes (`q (B, Hq, Lq, D)`, `k (B, Hkv, Lk, D)`)
