@@ -10,7 +10,9 @@
 use crate::options::Par;
 use crate::scratch::with_scratch;
 use crate::sdpa::Plan;
-use attnkit_kernels::{decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow};
+use attnkit_kernels::{
+    decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
+};
 use std::cell::RefCell;
 
 /// Keys per split-KV chunk: long enough that a chunk's fixed cost (packing Q, the merge) is
@@ -77,8 +79,16 @@ impl Plan {
                     // SAFETY: `out` row (b, h, i) and lse entry are in bounds (validated) and
                     // nothing else touches them now.
                     unsafe {
-                        let out = core::slice::from_raw_parts_mut(self.o.add(Plan::off(self.os, b, h, i)), s.dv);
-                        let lse = merge_partials(&buf[(grp * chunks * rows + r) * pl..], per_task, chunks, out);
+                        let out = core::slice::from_raw_parts_mut(
+                            self.o.add(Plan::off(self.os, b, h, i)),
+                            s.dv,
+                        );
+                        let lse = merge_partials(
+                            &buf[(grp * chunks * rows + r) * pl..],
+                            per_task,
+                            chunks,
+                            out,
+                        );
                         if !self.lse.is_null() {
                             *self.lse.add((b * s.hq + h) * s.lq + i) = lse;
                         }
@@ -116,8 +126,12 @@ impl Plan {
                             q: self.q.add(Plan::off(self.qs, b, h, i)),
                             hi,
                             lo,
-                            bias: self.bias.map_or(core::ptr::null(), |m| m.ptr.add(Plan::off(m.strides, b, h, i))),
-                            mask: self.mask.map_or(core::ptr::null(), |m| m.ptr.add(Plan::off(m.strides, b, h, i))),
+                            bias: self.bias.map_or(core::ptr::null(), |m| {
+                                m.ptr.add(Plan::off(m.strides, b, h, i))
+                            }),
+                            mask: self.mask.map_or(core::ptr::null(), |m| {
+                                m.ptr.add(Plan::off(m.strides, b, h, i))
+                            }),
                         };
                     }
                 }

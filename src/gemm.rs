@@ -22,7 +22,7 @@ pub enum Backend {
 }
 
 impl Default for Backend {
-    /// [`Backend::Blas`] when the `blas` feature is on, else [`Backend::MatrixMultiply`].
+    /// `Backend::Blas` when the `blas` feature is on, else [`Backend::MatrixMultiply`].
     fn default() -> Self {
         #[cfg(feature = "blas")]
         return Backend::Blas;

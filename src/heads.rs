@@ -10,7 +10,11 @@ fn check(arg: &'static str, len: usize, dims: [usize; 4]) -> Result<()> {
         .try_fold(1usize, |a, &x| a.checked_mul(x))
         .ok_or(AttnError::Overflow { arg })?;
     if len != needed {
-        return Err(AttnError::BufferLength { arg, needed, got: len });
+        return Err(AttnError::BufferLength {
+            arg,
+            needed,
+            got: len,
+        });
     }
     Ok(())
 }

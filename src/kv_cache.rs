@@ -68,13 +68,28 @@ impl KvCache {
             let want = [self.b, self.hkv, t, d];
             for (i, dim) in ["B", "H", "L", "D"].into_iter().enumerate() {
                 if x.shape[i] != want[i] {
-                    return Err(AttnError::ShapeMismatch { arg, dim, expected: want[i], got: x.shape[i] });
+                    return Err(AttnError::ShapeMismatch {
+                        arg,
+                        dim,
+                        expected: want[i],
+                        got: x.shape[i],
+                    });
                 }
             }
             check_len(arg, x.data.len(), x.shape, x.strides)?;
         }
-        if let Some((batch, &len)) = self.lens.iter().enumerate().find(|(_, &l)| l + t > self.cap) {
-            return Err(AttnError::Capacity { batch, len, append: t, capacity: self.cap });
+        if let Some((batch, &len)) = self
+            .lens
+            .iter()
+            .enumerate()
+            .find(|(_, &l)| l + t > self.cap)
+        {
+            return Err(AttnError::Capacity {
+                batch,
+                len,
+                append: t,
+                capacity: self.cap,
+            });
         }
         for b in 0..self.b {
             for h in 0..self.hkv {
@@ -82,8 +97,10 @@ impl KvCache {
                     let row = (b * self.hkv + h) * self.cap + self.lens[b] + i;
                     let ko = b * k.strides[0] + h * k.strides[1] + i * k.strides[2];
                     let vo = b * v.strides[0] + h * v.strides[1] + i * v.strides[2];
-                    self.k[row * self.d..(row + 1) * self.d].copy_from_slice(&k.data[ko..ko + self.d]);
-                    self.v[row * self.dv..(row + 1) * self.dv].copy_from_slice(&v.data[vo..vo + self.dv]);
+                    self.k[row * self.d..(row + 1) * self.d]
+                        .copy_from_slice(&k.data[ko..ko + self.d]);
+                    self.v[row * self.dv..(row + 1) * self.dv]
+                        .copy_from_slice(&v.data[vo..vo + self.dv]);
                 }
             }
         }
@@ -100,10 +117,19 @@ impl KvCache {
     /// longer than the sequence.
     pub fn truncate(&mut self, b: usize, len: usize) -> Result<()> {
         if b >= self.b {
-            return Err(AttnError::ShapeMismatch { arg: "batch", dim: "B", expected: self.b, got: b });
+            return Err(AttnError::ShapeMismatch {
+                arg: "batch",
+                dim: "B",
+                expected: self.b,
+                got: b,
+            });
         }
         if len > self.lens[b] {
-            return Err(AttnError::KeyLength { batch: b, len, lk: self.lens[b] });
+            return Err(AttnError::KeyLength {
+                batch: b,
+                len,
+                lk: self.lens[b],
+            });
         }
         self.lens[b] = len;
         Ok(())
@@ -119,13 +145,21 @@ impl KvCache {
     /// The cached keys as a `(B, Hkv, L, D)` view, `L` the longest sequence.
     pub fn keys(&self) -> Tensor<'_> {
         let l = self.max_len();
-        Tensor::strided(&self.k, [self.b, self.hkv, l, self.d], [self.hkv * self.cap * self.d, self.cap * self.d, self.d])
+        Tensor::strided(
+            &self.k,
+            [self.b, self.hkv, l, self.d],
+            [self.hkv * self.cap * self.d, self.cap * self.d, self.d],
+        )
     }
 
     /// The cached values as a `(B, Hkv, L, Dv)` view, `L` the longest sequence.
     pub fn values(&self) -> Tensor<'_> {
         let l = self.max_len();
-        Tensor::strided(&self.v, [self.b, self.hkv, l, self.dv], [self.hkv * self.cap * self.dv, self.cap * self.dv, self.dv])
+        Tensor::strided(
+            &self.v,
+            [self.b, self.hkv, l, self.dv],
+            [self.hkv * self.cap * self.dv, self.cap * self.dv, self.dv],
+        )
     }
 
     fn max_len(&self) -> usize {
@@ -152,7 +186,11 @@ impl KvCache {
     /// # Ok::<(), attnkit::AttnError>(())
     /// ```
     pub fn attend(&self, q: &Tensor, out: &mut TensorMut, opts: &SdpaOptions) -> Result<()> {
-        let opts = SdpaOptions { causal: Some(Causal::BottomRight), key_lengths: Some(&self.lens), ..*opts };
+        let opts = SdpaOptions {
+            causal: Some(Causal::BottomRight),
+            key_lengths: Some(&self.lens),
+            ..*opts
+        };
         sdpa(q, &self.keys(), &self.values(), out, &opts)
     }
 }

@@ -13,11 +13,11 @@
 
 mod decode;
 mod error;
+mod gemm;
 mod heads;
 mod kv_cache;
-mod merge;
-mod gemm;
 mod layers;
+mod merge;
 mod options;
 mod scratch;
 mod sdpa;

@@ -34,21 +34,41 @@ pub struct Partial<'a> {
 /// ```
 pub fn merge(parts: &[Partial], dv: usize, out: &mut [f32], lse: &mut [f32]) -> Result<()> {
     let rows = lse.len();
-    let need = rows.checked_mul(dv).ok_or(AttnError::Overflow { arg: "out" })?;
+    let need = rows
+        .checked_mul(dv)
+        .ok_or(AttnError::Overflow { arg: "out" })?;
     if out.len() != need {
-        return Err(AttnError::BufferLength { arg: "out", needed: need, got: out.len() });
+        return Err(AttnError::BufferLength {
+            arg: "out",
+            needed: need,
+            got: out.len(),
+        });
     }
     for p in parts {
         if p.out.len() != need {
-            return Err(AttnError::BufferLength { arg: "parts.out", needed: need, got: p.out.len() });
+            return Err(AttnError::BufferLength {
+                arg: "parts.out",
+                needed: need,
+                got: p.out.len(),
+            });
         }
         if p.lse.len() != rows {
-            return Err(AttnError::BufferLength { arg: "parts.lse", needed: rows, got: p.lse.len() });
+            return Err(AttnError::BufferLength {
+                arg: "parts.lse",
+                needed: rows,
+                got: p.lse.len(),
+            });
         }
     }
     let mut acc = vec![0.0f64; dv];
     for r in 0..rows {
-        let m = parts.iter().map(|p| p.lse[r]).fold(f32::NEG_INFINITY, |a, x| if x > a || x.is_nan() { x } else { a });
+        let m = parts
+            .iter()
+            .map(|p| p.lse[r])
+            .fold(
+                f32::NEG_INFINITY,
+                |a, x| if x > a || x.is_nan() { x } else { a },
+            );
         let o = &mut out[r * dv..(r + 1) * dv];
         if m == f32::NEG_INFINITY {
             o.fill(0.0);

@@ -74,7 +74,13 @@ pub fn choose_path(q_shape: [usize; 4], k_shape: [usize; 4], opts: &SdpaOptions)
 /// assert!((out[0] - 0.1).abs() < 1e-6);
 /// # Ok::<(), attnkit::AttnError>(())
 /// ```
-pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, out: &mut TensorMut, opts: &SdpaOptions) -> Result<()> {
+pub fn sdpa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut TensorMut,
+    opts: &SdpaOptions,
+) -> Result<()> {
     sdpa_ext(q, k, v, out, opts, Extras::default())
 }
 
@@ -90,7 +96,13 @@ pub fn sdpa_vec(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Resul
         .try_fold(1usize, |acc, &x| acc.checked_mul(x))
         .ok_or(AttnError::Overflow { arg: "out" })?;
     let mut buf = vec![0.0f32; len];
-    sdpa(q, k, v, &mut TensorMut::bhld(&mut buf, [b, hq, lq, dv]), opts)?;
+    sdpa(
+        q,
+        k,
+        v,
+        &mut TensorMut::bhld(&mut buf, [b, hq, lq, dv]),
+        opts,
+    )?;
     Ok(buf)
 }
 
@@ -162,12 +174,19 @@ fn mismatch(arg: &'static str, dim: &'static str, expected: usize, got: usize) -
     if expected == got {
         Ok(())
     } else {
-        Err(AttnError::ShapeMismatch { arg, dim, expected, got })
+        Err(AttnError::ShapeMismatch {
+            arg,
+            dim,
+            expected,
+            got,
+        })
     }
 }
 
 fn dense_len(arg: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter().try_fold(1usize, |a, &x| a.checked_mul(x)).ok_or(AttnError::Overflow { arg })
+    dims.iter()
+        .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .ok_or(AttnError::Overflow { arg })
 }
 
 fn mask_plan<T>(m: &MaskRef<T>, arg: &'static str, s: &Shape) -> Result<MaskPlan<T>> {
@@ -181,12 +200,19 @@ fn mask_plan<T>(m: &MaskRef<T>, arg: &'static str, s: &Shape) -> Result<MaskPlan
     mismatch(arg, "Lk", s.lk, m.shape[3])?;
     let needed = dense_len(arg, &m.shape)?;
     if m.data.len() != needed {
-        return Err(AttnError::BufferLength { arg, needed, got: m.data.len() });
+        return Err(AttnError::BufferLength {
+            arg,
+            needed,
+            got: m.data.len(),
+        });
     }
     // Row-major strides, 0 where the mask broadcasts.
     let [mb, mh, mq, lk] = m.shape;
     let st = |n: usize, s: usize| if n == 1 { 0 } else { s };
-    Ok(MaskPlan { ptr: m.data.as_ptr(), strides: [st(mb, mh * mq * lk), st(mh, mq * lk), st(mq, lk)] })
+    Ok(MaskPlan {
+        ptr: m.data.as_ptr(),
+        strides: [st(mb, mh * mq * lk), st(mh, mq * lk), st(mq, lk)],
+    })
 }
 
 impl Plan {
@@ -229,17 +255,34 @@ impl Plan {
         check_len("v", v.data.len(), v.shape, v.strides)?;
         check_len("out", out.data.len(), out.shape, out.strides)?;
         check_disjoint("out", out.shape, out.strides)?;
-        let shape = Shape { b, hq, hkv, lq, lk, d, dv };
+        let shape = Shape {
+            b,
+            hq,
+            hkv,
+            lq,
+            lk,
+            d,
+            dv,
+        };
 
         let scale = opts.scale.unwrap_or(1.0 / (d.max(1) as f32).sqrt());
         if !scale.is_finite() {
-            return Err(AttnError::BadParam { arg: "scale", reason: "must be finite" });
+            return Err(AttnError::BadParam {
+                arg: "scale",
+                reason: "must be finite",
+            });
         }
         if opts.window.is_some() && opts.causal.is_none() {
-            return Err(AttnError::BadParam { arg: "window", reason: "a sliding window needs causal masking" });
+            return Err(AttnError::BadParam {
+                arg: "window",
+                reason: "a sliding window needs causal masking",
+            });
         }
         if opts.window == Some(0) {
-            return Err(AttnError::BadParam { arg: "window", reason: "must be at least 1" });
+            return Err(AttnError::BadParam {
+                arg: "window",
+                reason: "must be at least 1",
+            });
         }
         // The decode kernel cannot produce weights.
         let path = match choose_path(q.shape, k.shape, opts) {
@@ -262,7 +305,11 @@ impl Plan {
         if let Some(buf) = extras.lse.as_deref_mut() {
             let needed = dense_len("lse", &[b, hq, lq])?;
             if buf.len() != needed {
-                return Err(AttnError::BufferLength { arg: "lse", needed, got: buf.len() });
+                return Err(AttnError::BufferLength {
+                    arg: "lse",
+                    needed,
+                    got: buf.len(),
+                });
             }
             lse = buf.as_mut_ptr();
         }
@@ -270,7 +317,11 @@ impl Plan {
         if let Some(buf) = extras.weights.as_deref_mut() {
             let needed = dense_len("weights", &[b, hq, lq, lk])?;
             if buf.len() != needed {
-                return Err(AttnError::BufferLength { arg: "weights", needed, got: buf.len() });
+                return Err(AttnError::BufferLength {
+                    arg: "weights",
+                    needed,
+                    got: buf.len(),
+                });
             }
             weights = buf.as_mut_ptr();
         }
@@ -325,7 +376,9 @@ impl Plan {
     /// Multiply-adds of the whole call (for the sequential/parallel decision).
     pub(crate) fn work(&self) -> usize {
         let s = &self.shape;
-        [s.b, s.hq, s.lq, s.lk.max(1), (s.d + s.dv).max(1)].iter().fold(1usize, |a, &x| a.saturating_mul(x))
+        [s.b, s.hq, s.lq, s.lk.max(1), (s.d + s.dv).max(1)]
+            .iter()
+            .fold(1usize, |a, &x| a.saturating_mul(x))
     }
 
     /// Runs `f(0..n)` on the rayon pool, or inline when `par` is `Seq` or the call is small.
@@ -411,9 +464,13 @@ impl Plan {
                 ldv: self.vs[2],
                 o: self.o.add(off3(self.os, b, h, row0)),
                 ldo: self.os[2],
-                bias: self.bias.map_or(core::ptr::null(), |p| p.ptr.add(off3(p.strides, b, h, row0))),
+                bias: self.bias.map_or(core::ptr::null(), |p| {
+                    p.ptr.add(off3(p.strides, b, h, row0))
+                }),
                 ldbias: self.bias.map_or(0, |p| p.strides[2]),
-                mask: self.mask.map_or(core::ptr::null(), |p| p.ptr.add(off3(p.strides, b, h, row0))),
+                mask: self.mask.map_or(core::ptr::null(), |p| {
+                    p.ptr.add(off3(p.strides, b, h, row0))
+                }),
                 ldmask: self.mask.map_or(0, |p| p.strides[2]),
                 lse: if self.lse.is_null() {
                     self.lse

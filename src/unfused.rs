@@ -34,7 +34,7 @@ pub fn sdpa_unfused(
 /// [`sdpa_unfused`] with the GEMM library chosen explicitly, so that backends can be compared
 /// in one process.
 ///
-/// With [`Backend::Blas`] each of the two GEMMs per head is one `cblas_sgemm` call on the calling
+/// With `Backend::Blas` (feature `blas`) each of the two GEMMs per head is one `cblas_sgemm` call on the calling
 /// rayon worker; OpenBLAS is set to one thread (process-wide, on its first use) so that its own
 /// pool does not oversubscribe the cores our tasks already use.
 ///

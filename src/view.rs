@@ -49,7 +49,11 @@ pub struct TensorMut<'a> {
 impl<'a> Tensor<'a> {
     /// A dense tensor of logical shape `(B, H, L, D)` stored in `layout` order.
     pub fn new(data: &'a [f32], shape: [usize; 4], layout: Layout) -> Self {
-        Tensor { data, shape, strides: layout.strides(shape) }
+        Tensor {
+            data,
+            shape,
+            strides: layout.strides(shape),
+        }
     }
     /// Dense `(B, H, L, D)`, heads before sequence.
     pub fn bhld(data: &'a [f32], shape: [usize; 4]) -> Self {
@@ -62,7 +66,11 @@ impl<'a> Tensor<'a> {
     /// Any strides for B, H, L (the D axis is contiguous). Lets Q, K and V be views into one packed
     /// QKV projection buffer, e.g. `(B, L, 3, H, D)` with `strides = [L·3·H·D, D, 3·H·D]`.
     pub fn strided(data: &'a [f32], shape: [usize; 4], strides: [usize; 3]) -> Self {
-        Tensor { data, shape, strides }
+        Tensor {
+            data,
+            shape,
+            strides,
+        }
     }
     /// Logical shape `(B, H, L, D)`.
     pub fn shape(&self) -> [usize; 4] {
@@ -73,7 +81,11 @@ impl<'a> Tensor<'a> {
 impl<'a> TensorMut<'a> {
     /// A dense tensor of logical shape `(B, H, L, D)` stored in `layout` order.
     pub fn new(data: &'a mut [f32], shape: [usize; 4], layout: Layout) -> Self {
-        TensorMut { data, shape, strides: layout.strides(shape) }
+        TensorMut {
+            data,
+            shape,
+            strides: layout.strides(shape),
+        }
     }
     /// Dense `(B, H, L, D)`.
     pub fn bhld(data: &'a mut [f32], shape: [usize; 4]) -> Self {
@@ -85,7 +97,11 @@ impl<'a> TensorMut<'a> {
     }
     /// Any non-overlapping strides for B, H, L (validated by the call that writes it).
     pub fn strided(data: &'a mut [f32], shape: [usize; 4], strides: [usize; 3]) -> Self {
-        TensorMut { data, shape, strides }
+        TensorMut {
+            data,
+            shape,
+            strides,
+        }
     }
     /// Logical shape `(B, H, L, D)`.
     pub fn shape(&self) -> [usize; 4] {
@@ -94,7 +110,11 @@ impl<'a> TensorMut<'a> {
 }
 
 /// Elements a view needs: the largest offset plus one row, with checked arithmetic.
-pub(crate) fn needed_len(arg: &'static str, shape: [usize; 4], strides: [usize; 3]) -> Result<usize> {
+pub(crate) fn needed_len(
+    arg: &'static str,
+    shape: [usize; 4],
+    strides: [usize; 3],
+) -> Result<usize> {
     if shape.contains(&0) {
         return Ok(0);
     }
@@ -108,17 +128,30 @@ pub(crate) fn needed_len(arg: &'static str, shape: [usize; 4], strides: [usize; 
 }
 
 /// Checks that `data` covers the view.
-pub(crate) fn check_len(arg: &'static str, len: usize, shape: [usize; 4], strides: [usize; 3]) -> Result<()> {
+pub(crate) fn check_len(
+    arg: &'static str,
+    len: usize,
+    shape: [usize; 4],
+    strides: [usize; 3],
+) -> Result<()> {
     let needed = needed_len(arg, shape, strides)?;
     if len < needed {
-        return Err(AttnError::BufferLength { arg, needed, got: len });
+        return Err(AttnError::BufferLength {
+            arg,
+            needed,
+            got: len,
+        });
     }
     Ok(())
 }
 
 /// Checks that no two elements of a writable view share memory: sorted by stride, each
 /// dimension's stride must step over everything inside it.
-pub(crate) fn check_disjoint(arg: &'static str, shape: [usize; 4], strides: [usize; 3]) -> Result<()> {
+pub(crate) fn check_disjoint(
+    arg: &'static str,
+    shape: [usize; 4],
+    strides: [usize; 3],
+) -> Result<()> {
     const NAMES: [&str; 3] = ["B", "H", "L"];
     if shape.contains(&0) {
         return Ok(());
@@ -128,9 +161,17 @@ pub(crate) fn check_disjoint(arg: &'static str, shape: [usize; 4], strides: [usi
     let mut span = shape[3]; // one contiguous row
     for i in dims {
         if strides[i] < span {
-            return Err(AttnError::BadStride { arg, dim: NAMES[i], stride: strides[i], min: span });
+            return Err(AttnError::BadStride {
+                arg,
+                dim: NAMES[i],
+                stride: strides[i],
+                min: span,
+            });
         }
-        span = strides[i].checked_mul(shape[i] - 1).and_then(|x| x.checked_add(span)).ok_or(AttnError::Overflow { arg })?;
+        span = strides[i]
+            .checked_mul(shape[i] - 1)
+            .and_then(|x| x.checked_add(span))
+            .ok_or(AttnError::Overflow { arg })?;
     }
     Ok(())
 }

@@ -450,7 +450,7 @@ fn head_dims_across_length_tails() {
                 D_SET[(di + 3) % D_SET.len()]
             };
             let spec = |p: usize| ViewSpec {
-                layout: if p % 2 == 0 {
+                layout: if p.is_multiple_of(2) {
                     Layout::Bhld
                 } else {
                     Layout::Blhd
@@ -950,7 +950,7 @@ fn nan_in_k_reaches_only_rows_that_see_it() {
     let v = randn(&mut rng, dims.v().iter().product(), 1.0);
     // Bool mask (Lq, Lk): every even query row cannot see the NaN key.
     let mask: Vec<bool> = (0..dims.lq * dims.lk)
-        .map(|x| !(x % dims.lk == nan_key && (x / dims.lk) % 2 == 0))
+        .map(|x| !(x % dims.lk == nan_key && (x / dims.lk).is_multiple_of(2)))
         .collect();
     let key_lengths = [150usize, 100];
     for use_mask in [false, true] {

@@ -76,7 +76,12 @@ pub fn decode_scratch_len(d: usize, dv: usize) -> usize {
 /// bias/mask entries `< j_end`); `partial` writable at `r*ldp + [0, dv+2)` for each row;
 /// `scratch.len() ≥ decode_scratch_len(d, dv)`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(a: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) {
+unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(
+    a: &DecodeArgs,
+    partial: *mut f32,
+    ldp: usize,
+    scratch: &mut [f32],
+) {
     let w = S::W;
     let (d, dv) = (a.d, a.dv);
     let dp = d.div_ceil(w) * w;
@@ -152,9 +157,17 @@ unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(a: &DecodeArgs, 
                     mx = S::max(mx, S::load(srow.as_ptr().add(c)));
                 }
                 let blk = S::hmax(mx);
-                let m_new = if blk > m[r] || blk.is_nan() { blk } else { m[r] };
+                let m_new = if blk > m[r] || blk.is_nan() {
+                    blk
+                } else {
+                    m[r]
+                };
                 // Exponentiate against a finite stand-in while nothing is visible (see flash.rs).
-                let m_use = if m_new == f32::NEG_INFINITY { -f32::MAX } else { m_new };
+                let m_use = if m_new == f32::NEG_INFINITY {
+                    -f32::MAX
+                } else {
+                    m_new
+                };
                 let al = (m[r] - m_use).exp2();
                 let mu = S::splat(m_use);
                 let mut sum = S::splat(0.0);
@@ -240,11 +253,19 @@ unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(a: &DecodeArgs, 
 /// # Safety
 /// As [`decode_rows`].
 #[inline(always)]
-pub(crate) unsafe fn decode<S: Simd>(a: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) {
+pub(crate) unsafe fn decode<S: Simd>(
+    a: &DecodeArgs,
+    partial: *mut f32,
+    ldp: usize,
+    scratch: &mut [f32],
+) {
     let mut r0 = 0;
     while r0 < a.rows.len() {
         let n = DECODE_MAX_ROWS.min(a.rows.len() - r0);
-        let sub = DecodeArgs { rows: &a.rows[r0..r0 + n], ..*a };
+        let sub = DecodeArgs {
+            rows: &a.rows[r0..r0 + n],
+            ..*a
+        };
         // SAFETY: forwarded contract; the row subset and its partial rows stay in bounds.
         unsafe {
             let p = partial.add(r0 * ldp);
@@ -275,7 +296,10 @@ pub(crate) unsafe fn decode<S: Simd>(a: &DecodeArgs, partial: *mut f32, ldp: usi
 pub fn merge_partials(parts: &[f32], stride: usize, count: usize, out: &mut [f32]) -> f32 {
     let dv = out.len();
     if count > 0 {
-        assert!(parts.len() >= (count - 1) * stride + dv + 2, "merge_partials: parts too short");
+        assert!(
+            parts.len() >= (count - 1) * stride + dv + 2,
+            "merge_partials: parts too short"
+        );
     }
     let part = |i: usize| &parts[i * stride..i * stride + dv + 2];
     let mut mx = f32::NEG_INFINITY;

@@ -109,7 +109,10 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
     let w = S::W;
     let nb_max = key_block(d);
     let mp = round_up(m, w);
-    debug_assert!(scratch.len() >= scratch_len(m, d, dv), "flash scratch too short");
+    debug_assert!(
+        scratch.len() >= scratch_len(m, d, dv),
+        "flash scratch too short"
+    );
     let (qt, rest) = scratch.split_at_mut(d * mp);
     let (st, rest) = rest.split_at_mut(nb_max * mp);
     let (ot, rest) = rest.split_at_mut(dv * mp);
@@ -162,7 +165,19 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
         while j0 < kmax {
             let nb = nb_max.min(kmax - j0);
             let s = &mut st[..nb * mp];
-            S::block(nb, mp / w, d, a.k.add(j0 * a.ldk), a.ldk, 1, qt.as_ptr(), mp, s.as_mut_ptr(), mp, Accum::Replace);
+            S::block(
+                nb,
+                mp / w,
+                d,
+                a.k.add(j0 * a.ldk),
+                a.ldk,
+                1,
+                qt.as_ptr(),
+                mp,
+                s.as_mut_ptr(),
+                mp,
+                Accum::Replace,
+            );
             mask_block(a, j0, nb, mp, s);
             let rescale = online_softmax::<S>(s, nb, mp, mrow, lrow, alpha);
             if rescale && !first {
@@ -171,7 +186,19 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
                 }
             }
             let acc = if first { Accum::Replace } else { Accum::Add };
-            S::block(dv, mp / w, nb, a.v.add(j0 * a.ldv), 1, a.ldv, s.as_ptr(), mp, ot.as_mut_ptr(), mp, acc);
+            S::block(
+                dv,
+                mp / w,
+                nb,
+                a.v.add(j0 * a.ldv),
+                1,
+                a.ldv,
+                s.as_ptr(),
+                mp,
+                ot.as_mut_ptr(),
+                mp,
+                acc,
+            );
             first = false;
             j0 += nb;
         }
@@ -195,7 +222,11 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
         if !a.lse.is_null() {
             for r in 0..m {
                 let l = lrow[r];
-                *a.lse.add(r) = if l == 0.0 { f32::NEG_INFINITY } else { (mrow[r] + l.log2()) * LN2 };
+                *a.lse.add(r) = if l == 0.0 {
+                    f32::NEG_INFINITY
+                } else {
+                    (mrow[r] + l.log2()) * LN2
+                };
             }
         }
         if !a.weights.is_null() {
@@ -234,7 +265,8 @@ unsafe fn mask_block(a: &FlashArgs, j0: usize, nb: usize, mp: usize, s: &mut [f3
                 row[..hidden].fill(f32::NEG_INFINITY);
                 if let Some(w) = a.window {
                     // ... and from rows r with row0 + r + off + 1 − window > jj.
-                    let first = (jj as isize + w as isize - off - a.row0 as isize).clamp(0, a.m as isize) as usize;
+                    let first = (jj as isize + w as isize - off - a.row0 as isize)
+                        .clamp(0, a.m as isize) as usize;
                     row[first..].fill(f32::NEG_INFINITY);
                 }
             }
@@ -310,7 +342,10 @@ unsafe fn scale_row<S: Simd>(x: &mut [f32], k: &[f32]) {
     // SAFETY: both slices are lane multiples of equal length.
     unsafe {
         for (c, kc) in x.chunks_exact_mut(S::W).zip(k.chunks_exact(S::W)) {
-            S::store(c.as_mut_ptr(), S::mul(S::load(c.as_ptr()), S::load(kc.as_ptr())));
+            S::store(
+                c.as_mut_ptr(),
+                S::mul(S::load(c.as_ptr()), S::load(kc.as_ptr())),
+            );
         }
     }
 }

@@ -94,7 +94,17 @@ unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
     // SAFETY: each tile stays inside the `m` rows the caller vouched for.
     unsafe {
         while i + MR <= m {
-            tile::<S, MR, NV>(kc, a.add(i * rsa), rsa, csa, b, ldb, c.add(i * ldc), ldc, acc);
+            tile::<S, MR, NV>(
+                kc,
+                a.add(i * rsa),
+                rsa,
+                csa,
+                b,
+                ldb,
+                c.add(i * ldc),
+                ldc,
+                acc,
+            );
             i += MR;
         }
         let (a, c) = (a.add(i * rsa), c.add(i * ldc));

@@ -27,12 +27,14 @@ pub enum IsaError {
 impl fmt::Display for IsaError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            IsaError::Unknown(s) => write!(
-                f,
-                "ATTNKIT_ISA={s:?} is not one of scalar, avx2, avx512"
-            ),
+            IsaError::Unknown(s) => {
+                write!(f, "ATTNKIT_ISA={s:?} is not one of scalar, avx2, avx512")
+            }
             IsaError::Unsupported(isa) => {
-                write!(f, "ISA {isa} was requested but this CPU does not support it")
+                write!(
+                    f,
+                    "ISA {isa} was requested but this CPU does not support it"
+                )
             }
         }
     }

@@ -1,7 +1,7 @@
 //! Raw-slice SIMD kernels for attention, behind one run-time dispatch point.
 //!
 //! Every entry point takes an explicit [`Isa`]; [`Isa::detect`] picks the best one the CPU has
-//! (or the one `ATTNKIT_ISA` forces). Each kernel has a naive f64 twin in [`reference`], the spec
+//! (or the one `ATTNKIT_ISA` forces). Each kernel has a naive f64 twin in [`mod@reference`], the spec
 //! that tests compare every ISA against. Shapes are not validated here beyond `debug_assert!`s
 //! and the checks each safe function documents: the `attnkit` crate validates user input first.
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -24,7 +24,8 @@ mod simd;
 mod x86_64;
 
 pub use decode::{
-    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
+    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DECODE_KEY_BLOCK,
+    DECODE_MAX_ROWS,
 };
 pub use flash::{key_block, scratch_len, CausalOffset, FlashArgs};
 pub use heads::{merge_heads, split_heads};
@@ -93,7 +94,10 @@ isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, a: *const f32, rsa: usize, c
 ///   written concurrently;
 /// * `key_len ≤ n`; `scratch.len() ≥ scratch_len(m, d, dv)`.
 pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
-    assert!(scratch.len() >= scratch_len(args.m, args.d, args.dv), "flash scratch too short");
+    assert!(
+        scratch.len() >= scratch_len(args.m, args.d, args.dv),
+        "flash scratch too short"
+    );
     // SAFETY: forwarded contract.
     unsafe { flash_isa(isa, args, scratch) }
 }
@@ -107,8 +111,17 @@ pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
 /// * K and V rows `< j_end` and every row's `q` (`d` values), `bias`/`mask` (indices `< j_end`)
 ///   are readable; `partial` is writable at `r*ldp + [0, dv+2)` for every row and overlaps no
 ///   input; `scratch.len() ≥ decode_scratch_len(d, dv)`.
-pub unsafe fn decode_partial(isa: Isa, args: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) {
-    assert!(scratch.len() >= decode_scratch_len(args.d, args.dv), "decode scratch too short");
+pub unsafe fn decode_partial(
+    isa: Isa,
+    args: &DecodeArgs,
+    partial: *mut f32,
+    ldp: usize,
+    scratch: &mut [f32],
+) {
+    assert!(
+        scratch.len() >= decode_scratch_len(args.d, args.dv),
+        "decode scratch too short"
+    );
     // SAFETY: forwarded contract.
     unsafe { decode_isa(isa, args, partial, ldp, scratch) }
 }
@@ -159,10 +172,20 @@ pub fn matmul(
     accumulate: bool,
 ) {
     assert!(isa.is_supported(), "{isa} is not supported on this CPU");
-    let need = |rows: usize, ld: usize, cols: usize| if rows == 0 { 0 } else { (rows - 1) * ld + cols };
-    assert!(a.len() >= need(m, lda, k) && (m < 2 || lda >= k), "A too short");
-    assert!(b.len() >= need(k, ldb, n) && (k < 2 || ldb >= n), "B too short");
-    assert!(c.len() >= need(m, ldc, n) && (m < 2 || ldc >= n), "C too short");
+    let need =
+        |rows: usize, ld: usize, cols: usize| if rows == 0 { 0 } else { (rows - 1) * ld + cols };
+    assert!(
+        a.len() >= need(m, lda, k) && (m < 2 || lda >= k),
+        "A too short"
+    );
+    assert!(
+        b.len() >= need(k, ldb, n) && (k < 2 || ldb >= n),
+        "B too short"
+    );
+    assert!(
+        c.len() >= need(m, ldc, n) && (m < 2 || ldc >= n),
+        "C too short"
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -178,12 +201,35 @@ pub fn matmul(
             cp[i * np..i * np + n].copy_from_slice(&c[i * ldc..i * ldc + n]);
         }
     }
-    let acc = if accumulate { Accum::Add } else { Accum::Replace };
+    let acc = if accumulate {
+        Accum::Add
+    } else {
+        Accum::Replace
+    };
     // An empty A still needs a valid pointer for the (skipped) reduction loop.
-    let a_ptr = if a.is_empty() { [0.0f32].as_ptr() } else { a.as_ptr() };
+    let a_ptr = if a.is_empty() {
+        [0.0f32].as_ptr()
+    } else {
+        a.as_ptr()
+    };
     // SAFETY: A, the packed B and the padded C cover the extents asserted above; the ISA is
     // supported (asserted).
-    unsafe { block_isa(isa, m, np / w, k, a_ptr, lda, 1, bp.as_ptr(), np, cp.as_mut_ptr(), np, acc) };
+    unsafe {
+        block_isa(
+            isa,
+            m,
+            np / w,
+            k,
+            a_ptr,
+            lda,
+            1,
+            bp.as_ptr(),
+            np,
+            cp.as_mut_ptr(),
+            np,
+            acc,
+        )
+    };
     for i in 0..m {
         c[i * ldc..i * ldc + n].copy_from_slice(&cp[i * np..i * np + n]);
     }

@@ -19,11 +19,21 @@ pub fn softmax_row(x: &[f64]) -> Vec<f64> {
 
 /// `C[m × n] = A[m × k] · B[k × n]` in f64 (row-major with leading dimensions).
 #[allow(clippy::too_many_arguments)]
-pub fn matmul(m: usize, n: usize, k: usize, a: &[f32], lda: usize, b: &[f32], ldb: usize) -> Vec<f64> {
+pub fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+) -> Vec<f64> {
     let mut c = vec![0.0; m * n];
     for i in 0..m {
         for j in 0..n {
-            c[i * n + j] = (0..k).map(|p| a[i * lda + p] as f64 * b[p * ldb + j] as f64).sum();
+            c[i * n + j] = (0..k)
+                .map(|p| a[i * lda + p] as f64 * b[p * ldb + j] as f64)
+                .sum();
         }
     }
     c
@@ -43,7 +53,9 @@ pub fn attention_head(
     let mut lse = vec![f64::NEG_INFINITY; lq];
     let mut w = vec![0.0; lq * lk];
     for i in 0..lq {
-        let s: Vec<f64> = (0..lk).map(|j| logit(i, j).unwrap_or(f64::NEG_INFINITY)).collect();
+        let s: Vec<f64> = (0..lk)
+            .map(|j| logit(i, j).unwrap_or(f64::NEG_INFINITY))
+            .collect();
         let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         if mx == f64::NEG_INFINITY {
             continue;

@@ -129,7 +129,10 @@ impl Simd for Portable {
     #[inline(always)]
     unsafe fn hmax(a: [f32; 8]) -> f32 {
         let m = |x: f32, y: f32| if x > y { x } else { y };
-        m(m(m(a[0], a[4]), m(a[2], a[6])), m(m(a[1], a[5]), m(a[3], a[7])))
+        m(
+            m(m(a[0], a[4]), m(a[2], a[6])),
+            m(m(a[1], a[5]), m(a[3], a[7])),
+        )
     }
 }
 

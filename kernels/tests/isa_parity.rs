@@ -8,8 +8,13 @@ use rand::{Rng, SeedableRng};
 fn isas() -> Vec<Isa> {
     if let Ok(req) = std::env::var("ATTNKIT_REQUIRE_ISAS") {
         for name in req.split(',').filter(|s| !s.is_empty()) {
-            let isa: Isa = name.parse().expect("ATTNKIT_REQUIRE_ISAS names an unknown ISA");
-            assert!(isa.is_supported(), "required ISA {isa} is not supported here");
+            let isa: Isa = name
+                .parse()
+                .expect("ATTNKIT_REQUIRE_ISAS names an unknown ISA");
+            assert!(
+                isa.is_supported(),
+                "required ISA {isa} is not supported here"
+            );
         }
     }
     let avail = Isa::available();
@@ -31,7 +36,17 @@ fn ulps(a: f32, b: f64) -> f64 {
 fn exp2_matches_f64_over_the_whole_range() {
     // Dense grid over [-130, 130] plus the special values.
     let mut xs: Vec<f32> = (0..=2_600_000).map(|i| -130.0 + i as f32 * 1e-4).collect();
-    xs.extend([f32::NEG_INFINITY, -1e30, -150.0, -126.4, 0.0, -0.0, 1e-30, -1e-30, 126.9]);
+    xs.extend([
+        f32::NEG_INFINITY,
+        -1e30,
+        -150.0,
+        -126.4,
+        0.0,
+        -0.0,
+        1e-30,
+        -1e-30,
+        126.9,
+    ]);
     for isa in isas() {
         let mut y = xs.clone();
         attnkit_kernels::exp2_slice(isa, &mut y);
@@ -65,7 +80,10 @@ fn softmax_row_matches_f64() {
                 attnkit_kernels::softmax_row(isa, &mut y);
                 let want = reference::softmax_row(&x.iter().map(|&v| v as f64).collect::<Vec<_>>());
                 for (g, w) in y.iter().zip(&want) {
-                    assert!((*g as f64 - w).abs() <= 2e-6 * w + 1e-7, "{isa} n={n} mag={mag}: {g} vs {w}");
+                    assert!(
+                        (*g as f64 - w).abs() <= 2e-6 * w + 1e-7,
+                        "{isa} n={n} mag={mag}: {g} vs {w}"
+                    );
                 }
                 // Shift invariance.
                 let mut z: Vec<f32> = x.iter().map(|v| v + 3.0).collect();
@@ -98,8 +116,10 @@ fn matmul_is_exact_on_small_integers() {
                     let ldb = n + 1;
                     let ldc = n + 2;
                     let a: Vec<f32> = (0..m * lda).map(|_| rng.gen_range(-4..=4) as f32).collect();
-                    let b: Vec<f32> = (0..k.max(1) * ldb).map(|_| rng.gen_range(-4..=4) as f32).collect();
-                                        let c0: Vec<f32> = (0..m * ldc).map(|_| rng.gen_range(-4..=4) as f32).collect();
+                    let b: Vec<f32> = (0..k.max(1) * ldb)
+                        .map(|_| rng.gen_range(-4..=4) as f32)
+                        .collect();
+                    let c0: Vec<f32> = (0..m * ldc).map(|_| rng.gen_range(-4..=4) as f32).collect();
                     let want = reference::matmul(m, n, k, &a, lda, &b, ldb);
                     // Replace: C's old contents (NaN here) must not be read.
                     let mut c = vec![f32::NAN; m * ldc];
@@ -108,7 +128,11 @@ fn matmul_is_exact_on_small_integers() {
                     attnkit_kernels::matmul(isa, m, n, k, &a, lda, &b, ldb, &mut c2, ldc, true);
                     for i in 0..m {
                         for j in 0..n {
-                            assert_eq!(c[i * ldc + j] as f64, want[i * n + j], "{isa} {m}x{n}x{k} ({i},{j})");
+                            assert_eq!(
+                                c[i * ldc + j] as f64,
+                                want[i * n + j],
+                                "{isa} {m}x{n}x{k} ({i},{j})"
+                            );
                             let w2 = want[i * n + j] + c0[i * ldc + j] as f64;
                             assert_eq!(c2[i * ldc + j] as f64, w2, "{isa} accumulate {m}x{n}x{k}");
                         }
@@ -140,8 +164,16 @@ fn flash_forward_matches_reference() {
                 1 => Some(0isize),
                 _ => Some(n as isize - (m + row0) as isize),
             };
-            let key_len = if case % 4 == 0 { rng.gen_range(0..=n) } else { n };
-            let window = if causal.is_some() && case % 7 < 3 { Some(rng.gen_range(1..=n + 2)) } else { None };
+            let key_len = if case % 4 == 0 {
+                rng.gen_range(0..=n)
+            } else {
+                n
+            };
+            let window = if causal.is_some() && case % 7 < 3 {
+                Some(rng.gen_range(1..=n + 2))
+            } else {
+                None
+            };
             let use_bias = case % 5 == 1;
             let use_mask = case % 6 == 2;
             let (ldq, ldk, ldv, ldo) = (d + 1, d + 2, dv + 3, dv + 5);
@@ -172,9 +204,17 @@ fn flash_forward_matches_reference() {
                 ldv,
                 o: o.as_mut_ptr(),
                 ldo,
-                bias: if use_bias { bias.as_ptr() } else { std::ptr::null() },
+                bias: if use_bias {
+                    bias.as_ptr()
+                } else {
+                    std::ptr::null()
+                },
                 ldbias: n,
-                mask: if use_mask { mask.as_ptr() } else { std::ptr::null() },
+                mask: if use_mask {
+                    mask.as_ptr()
+                } else {
+                    std::ptr::null()
+                },
                 ldmask: n,
                 lse: lse.as_mut_ptr(),
                 weights: wts.as_mut_ptr(),
@@ -200,8 +240,17 @@ fn flash_forward_matches_reference() {
                     if use_mask && !mask[i * n + j] {
                         return None;
                     }
-                    let dot: f64 = (0..d).map(|p| q[i * ldq + p] as f64 * k[j * ldk + p] as f64).sum();
-                    Some(dot * scale as f64 + if use_bias { bias[i * n + j] as f64 } else { 0.0 })
+                    let dot: f64 = (0..d)
+                        .map(|p| q[i * ldq + p] as f64 * k[j * ldk + p] as f64)
+                        .sum();
+                    Some(
+                        dot * scale as f64
+                            + if use_bias {
+                                bias[i * n + j] as f64
+                            } else {
+                                0.0
+                            },
+                    )
                 },
                 |j, c| v[j * ldv + c] as f64,
             );
@@ -209,7 +258,10 @@ fn flash_forward_matches_reference() {
             for i in 0..m {
                 for c in 0..dv {
                     let (g, w) = (o[i * ldo + c] as f64, want[i * dv + c]);
-                    assert!((g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "{ctx}: out({i},{c}) {g} vs {w}");
+                    assert!(
+                        (g - w).abs() <= 1e-5 + 1e-5 * w.abs(),
+                        "{ctx}: out({i},{c}) {g} vs {w}"
+                    );
                 }
                 for c in dv..ldo {
                     if i * ldo + c < o.len() {
@@ -217,10 +269,16 @@ fn flash_forward_matches_reference() {
                     }
                 }
                 let (g, w) = (lse[i] as f64, want_lse[i]);
-                assert!(g == w || (g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "{ctx}: lse({i}) {g} vs {w}");
+                assert!(
+                    g == w || (g - w).abs() <= 1e-5 + 1e-5 * w.abs(),
+                    "{ctx}: lse({i}) {g} vs {w}"
+                );
                 for j in 0..n {
                     let (g, w) = (wts[i * n + j] as f64, want_w[i * n + j]);
-                    assert!((g - w).abs() <= 1e-6 + 1e-5 * w, "{ctx}: w({i},{j}) {g} vs {w}");
+                    assert!(
+                        (g - w).abs() <= 1e-6 + 1e-5 * w,
+                        "{ctx}: w({i},{j}) {g} vs {w}"
+                    );
                 }
             }
         }
@@ -253,7 +311,9 @@ fn split_then_merge_heads_round_trips() {
 /// f64 reference.
 #[test]
 fn decode_partials_merge_to_reference() {
-    use attnkit_kernels::{decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow};
+    use attnkit_kernels::{
+        decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
+    };
     let mut rng = SmallRng::seed_from_u64(4);
     for isa in isas() {
         for case in 0..60 {
@@ -270,14 +330,30 @@ fn decode_partials_merge_to_reference() {
             let (use_bias, use_mask) = (case % 4 == 1, case % 5 == 2);
             let rows: Vec<DecodeRow> = (0..rows_n)
                 .map(|r| {
-                    let hi = if case % 3 == 0 { n } else { rng.gen_range(0..=n) };
-                    let lo = if case % 6 == 5 { rng.gen_range(0..=hi) } else { 0 };
+                    let hi = if case % 3 == 0 {
+                        n
+                    } else {
+                        rng.gen_range(0..=n)
+                    };
+                    let lo = if case % 6 == 5 {
+                        rng.gen_range(0..=hi)
+                    } else {
+                        0
+                    };
                     DecodeRow {
                         q: q[r * d..].as_ptr(),
                         hi,
                         lo,
-                        bias: if use_bias { bias[r * n..].as_ptr() } else { std::ptr::null() },
-                        mask: if use_mask { mask[r * n..].as_ptr() } else { std::ptr::null() },
+                        bias: if use_bias {
+                            bias[r * n..].as_ptr()
+                        } else {
+                            std::ptr::null()
+                        },
+                        mask: if use_mask {
+                            mask[r * n..].as_ptr()
+                        } else {
+                            std::ptr::null()
+                        },
                     }
                 })
                 .collect();
@@ -301,7 +377,15 @@ fn decode_partials_merge_to_reference() {
                     scale,
                 };
                 // SAFETY: buffers cover every extent in `args`; the ISA is supported.
-                unsafe { decode_partial(isa, &args, parts[c * rows_n * pl..].as_mut_ptr(), pl, &mut scratch) };
+                unsafe {
+                    decode_partial(
+                        isa,
+                        &args,
+                        parts[c * rows_n * pl..].as_mut_ptr(),
+                        pl,
+                        &mut scratch,
+                    )
+                };
             }
             for r in 0..rows_n {
                 let mut out = vec![0.0; dv];
@@ -315,18 +399,33 @@ fn decode_partials_merge_to_reference() {
                         if j < row.lo || j >= row.hi || (use_mask && !mask[r * n + j]) {
                             return None;
                         }
-                        let dot: f64 = (0..d).map(|p| q[r * d + p] as f64 * k[j * ldk + p] as f64).sum();
-                        Some(dot * scale as f64 + if use_bias { bias[r * n + j] as f64 } else { 0.0 })
+                        let dot: f64 = (0..d)
+                            .map(|p| q[r * d + p] as f64 * k[j * ldk + p] as f64)
+                            .sum();
+                        Some(
+                            dot * scale as f64
+                                + if use_bias {
+                                    bias[r * n + j] as f64
+                                } else {
+                                    0.0
+                                },
+                        )
                     },
                     |j, c| v[j * ldv + c] as f64,
                 );
                 let ctx = format!("{isa} case {case} row {r}: n={n} d={d} dv={dv} chunks={chunks}");
                 for c in 0..dv {
                     let (g, w) = (out[c] as f64, want[c]);
-                    assert!((g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "{ctx}: out[{c}] {g} vs {w}");
+                    assert!(
+                        (g - w).abs() <= 1e-5 + 1e-5 * w.abs(),
+                        "{ctx}: out[{c}] {g} vs {w}"
+                    );
                 }
                 let (g, w) = (lse as f64, want_lse[0]);
-                assert!(g == w || (g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "{ctx}: lse {g} vs {w}");
+                assert!(
+                    g == w || (g - w).abs() <= 1e-5 + 1e-5 * w.abs(),
+                    "{ctx}: lse {g} vs {w}"
+                );
             }
         }
     }
@@ -335,14 +434,22 @@ fn decode_partials_merge_to_reference() {
 /// Split-KV: every chunk count merges to the unsplit result within 1e-6.
 #[test]
 fn decode_split_counts_agree_with_unsplit() {
-    use attnkit_kernels::{decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow};
+    use attnkit_kernels::{
+        decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
+    };
     let mut rng = SmallRng::seed_from_u64(5);
     let (n, d, dv, rows_n) = (3001usize, 128usize, 128usize, 4usize);
     let k: Vec<f32> = (0..n * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
     let v: Vec<f32> = (0..n * dv).map(|_| rng.gen_range(-1.0..1.0)).collect();
     let q: Vec<f32> = (0..rows_n * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
     let rows: Vec<DecodeRow> = (0..rows_n)
-        .map(|r| DecodeRow { q: q[r * d..].as_ptr(), hi: n - r, lo: 0, bias: std::ptr::null(), mask: std::ptr::null() })
+        .map(|r| DecodeRow {
+            q: q[r * d..].as_ptr(),
+            hi: n - r,
+            lo: 0,
+            bias: std::ptr::null(),
+            mask: std::ptr::null(),
+        })
         .collect();
     let pl = partial_len(dv);
     for isa in isas() {
@@ -364,18 +471,34 @@ fn decode_split_counts_agree_with_unsplit() {
                     scale: 0.088,
                 };
                 // SAFETY: buffers cover every extent in `args`; the ISA is supported.
-                unsafe { decode_partial(isa, &args, parts[c * rows_n * pl..].as_mut_ptr(), pl, &mut scratch) };
+                unsafe {
+                    decode_partial(
+                        isa,
+                        &args,
+                        parts[c * rows_n * pl..].as_mut_ptr(),
+                        pl,
+                        &mut scratch,
+                    )
+                };
             }
             let mut out = vec![0.0; rows_n * dv];
             for r in 0..rows_n {
-                merge_partials(&parts[r * pl..], rows_n * pl, chunks, &mut out[r * dv..(r + 1) * dv]);
+                merge_partials(
+                    &parts[r * pl..],
+                    rows_n * pl,
+                    chunks,
+                    &mut out[r * dv..(r + 1) * dv],
+                );
             }
             out
         };
         let whole = run(1);
         for chunks in 2..=9 {
             for (a, b) in run(chunks).iter().zip(&whole) {
-                assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{isa}: {chunks} chunks: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                    "{isa}: {chunks} chunks: {a} vs {b}"
+                );
             }
         }
     }

@@ -95,7 +95,10 @@ fn views<'a>(
 }
 
 fn shapes(case: &Case) -> ([usize; 4], [usize; 4]) {
-    ([case.b, case.h, case.lq, case.d], [case.b, case.hkv, case.lk, case.d])
+    (
+        [case.b, case.h, case.lq, case.d],
+        [case.b, case.hkv, case.lk, case.d],
+    )
 }
 
 fn options(case: &Case, isa: Isa) -> SdpaOptions<'static> {
@@ -118,7 +121,11 @@ impl Impl for Fused {
     fn isa_label(&self, isa: Isa, case: &Case) -> String {
         let (qs, ks) = shapes(case);
         let path = choose_path(qs, ks, &options(case, isa).path(self.1));
-        let path = if path == Path::Decode { "decode" } else { "prefill" };
+        let path = if path == Path::Decode {
+            "decode"
+        } else {
+            "prefill"
+        };
         format!("{}/{path}", isa.name())
     }
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
