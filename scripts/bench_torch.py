@@ -28,7 +28,7 @@ PRESETS = {
         for c in (False, True)
         for (b, h, l, d) in [(1, 16, 512, 64), (1, 16, 1024, 64), (1, 16, 2048, 64), (1, 8, 2048, 128), (4, 12, 512, 64), (1, 16, 4096, 64)]
     ],
-    "decode": [(1, 32, 32, 1, lk, 128, False) for lk in (1024, 8192, 32768)],
+    "decode": [(1, 32, hkv, 1, lk, 128, False) for lk in (1024, 8192, 32768) for hkv in (32, 8)],
     "small": [(b, h, h, l, l, d, c) for c in (False, True) for (b, h, l, d) in [(2, 8, 10, 16), (1, 4, 64, 32)]],
 }
 

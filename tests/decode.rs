@@ -1,7 +1,8 @@
 //! The decode path: KV cache, split-KV, GQA grouping, merge, path choice.
 
 use attnkit::{
-    merge, sdpa, sdpa_ext, AttnError, Causal, Extras, Isa, KvCache, Partial, Path, SdpaOptions, Tensor, TensorMut,
+    merge, sdpa, sdpa_ext, AttnError, Causal, Extras, Isa, KvCache, Partial, Path, SdpaOptions,
+    Tensor, TensorMut,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -13,7 +14,10 @@ fn randn(rng: &mut SmallRng, n: usize) -> Vec<f32> {
 fn close(a: &[f32], b: &[f32], atol: f32, rtol: f32, ctx: &str) {
     assert_eq!(a.len(), b.len(), "{ctx}: lengths");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= atol + rtol * y.abs(), "{ctx}: [{i}] {x} vs {y}");
+        assert!(
+            (x - y).abs() <= atol + rtol * y.abs(),
+            "{ctx}: [{i}] {x} vs {y}"
+        );
     }
 }
 
@@ -55,17 +59,24 @@ fn decode_path_equals_prefill_path() {
                     &Tensor::bhld(&v, [b, hkv, lk, dv]),
                     &mut TensorMut::blhd(&mut out, [b, hq, lq, dv]),
                     &opts.path(path),
-                    Extras { lse: Some(&mut lse), weights: None },
+                    Extras {
+                        lse: Some(&mut lse),
+                        weights: None,
+                    },
                 )
                 .unwrap();
                 (out, lse)
             };
             let (od, ld) = run(Path::Decode);
             let (op, lp) = run(Path::Prefill);
-            let ctx = format!("{isa} case {case}: b={b} hq={hq} hkv={hkv} lq={lq} lk={lk} d={d} dv={dv}");
+            let ctx =
+                format!("{isa} case {case}: b={b} hq={hq} hkv={hkv} lq={lq} lk={lk} d={d} dv={dv}");
             close(&od, &op, 2e-6, 1e-5, &ctx);
             for (x, y) in ld.iter().zip(&lp) {
-                assert!(x == y || (x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{ctx}: lse {x} vs {y}");
+                assert!(
+                    x == y || (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                    "{ctx}: lse {x} vs {y}"
+                );
             }
         }
     }
@@ -99,17 +110,42 @@ fn incremental_decoding_equals_full_causal_attention() {
                 break;
             }
             // Rows pos..pos+t of a (B, L, H, D) buffer, as a (B, H, t, D) view.
-            fn view(x: &[f32], h: usize, pos: usize, t: usize, b: usize, len: usize, d: usize) -> Tensor<'_> {
+            fn view(
+                x: &[f32],
+                h: usize,
+                pos: usize,
+                t: usize,
+                b: usize,
+                len: usize,
+                d: usize,
+            ) -> Tensor<'_> {
                 Tensor::strided(&x[pos * h * d..], [b, h, t, d], [len * h * d, d, h * d])
             }
-            cache.append(&view(&k, hkv, pos, t, b, len, d), &view(&v, hkv, pos, t, b, len, d)).unwrap();
+            cache
+                .append(
+                    &view(&k, hkv, pos, t, b, len, d),
+                    &view(&v, hkv, pos, t, b, len, d),
+                )
+                .unwrap();
             let mut out = vec![0.0; b * t * hq * d];
             let qv = view(&q, hq, pos, t, b, len, d);
-            cache.attend(&qv, &mut TensorMut::blhd(&mut out, [b, hq, t, d]), &SdpaOptions::new().isa(isa)).unwrap();
+            cache
+                .attend(
+                    &qv,
+                    &mut TensorMut::blhd(&mut out, [b, hq, t, d]),
+                    &SdpaOptions::new().isa(isa),
+                )
+                .unwrap();
             for bi in 0..b {
                 let got = &out[bi * t * hq * d..(bi + 1) * t * hq * d];
                 let want = &full[(bi * len + pos) * hq * d..(bi * len + pos + t) * hq * d];
-                close(got, want, 1e-5, 1e-5, &format!("{isa} pos {pos} t {t} batch {bi}"));
+                close(
+                    got,
+                    want,
+                    1e-5,
+                    1e-5,
+                    &format!("{isa} pos {pos} t {t} batch {bi}"),
+                );
             }
             pos += t;
         }
@@ -131,14 +167,40 @@ fn kv_cache_truncate_and_capacity() {
         cache.append(&t(&one), &t(&one)).unwrap();
     }
     let err = cache.append(&t(&one), &t(&one)).unwrap_err();
-    assert!(matches!(err, AttnError::Capacity { batch: 0, len: 3, append: 1, capacity: 3 }), "{err}");
+    assert!(
+        matches!(
+            err,
+            AttnError::Capacity {
+                batch: 0,
+                len: 3,
+                append: 1,
+                capacity: 3
+            }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("capacity 3"));
-    assert!(matches!(cache.truncate(0, 5), Err(AttnError::KeyLength { batch: 0, len: 5, lk: 3 })));
-    assert!(matches!(cache.truncate(7, 0), Err(AttnError::ShapeMismatch { arg: "batch", .. })));
+    assert!(matches!(
+        cache.truncate(0, 5),
+        Err(AttnError::KeyLength {
+            batch: 0,
+            len: 5,
+            lk: 3
+        })
+    ));
+    assert!(matches!(
+        cache.truncate(7, 0),
+        Err(AttnError::ShapeMismatch { arg: "batch", .. })
+    ));
     let bad = vec![0.0f32; 3 * d];
     assert!(matches!(
         cache.append(&Tensor::bhld(&bad, [3, h, 1, d]), &t(&one)),
-        Err(AttnError::ShapeMismatch { arg: "k", dim: "B", expected: 2, got: 3 })
+        Err(AttnError::ShapeMismatch {
+            arg: "k",
+            dim: "B",
+            expected: 2,
+            got: 3
+        })
     ));
     // Roll sequence 1 back to one token, append a "2" token: its values average to 1.5.
     cache.truncate(1, 1).unwrap();
@@ -147,7 +209,13 @@ fn kv_cache_truncate_and_capacity() {
     assert_eq!(cache.lens(), &[3, 2]);
     let q = vec![0.0f32; b * h * d]; // zero query: uniform weights over the visible keys
     let mut out = vec![0.0f32; b * h * d];
-    cache.attend(&t(&q), &mut TensorMut::bhld(&mut out, [b, h, 1, d]), &SdpaOptions::new()).unwrap();
+    cache
+        .attend(
+            &t(&q),
+            &mut TensorMut::bhld(&mut out, [b, h, 1, d]),
+            &SdpaOptions::new(),
+        )
+        .unwrap();
     close(&out[..d], &[4.0 / 3.0; 4], 1e-6, 0.0, "sequence 0");
     close(&out[d..], &[1.5; 4], 1e-6, 0.0, "sequence 1");
 }
@@ -173,7 +241,10 @@ fn merge_of_two_halves_equals_the_whole() {
             &vt,
             &mut TensorMut::bhld(&mut out, [b, h, lq, d]),
             &SdpaOptions::new(),
-            Extras { lse: Some(&mut lse), weights: None },
+            Extras {
+                lse: Some(&mut lse),
+                weights: None,
+            },
         )
         .unwrap();
         (out, lse)
@@ -183,7 +254,13 @@ fn merge_of_two_halves_equals_the_whole() {
     let (c, lc) = run(120, lk);
     let mut out = vec![0.0; whole.len()];
     let mut lse = vec![0.0; whole_lse.len()];
-    merge(&[Partial { out: &a, lse: &la }, Partial { out: &c, lse: &lc }], d, &mut out, &mut lse).unwrap();
+    merge(
+        &[Partial { out: &a, lse: &la }, Partial { out: &c, lse: &lc }],
+        d,
+        &mut out,
+        &mut lse,
+    )
+    .unwrap();
     close(&out, &whole, 1e-6, 1e-6, "merged output");
     close(&lse, &whole_lse, 1e-6, 1e-6, "merged lse");
     // A part that saw nothing (lse = -inf) changes nothing.
@@ -191,7 +268,16 @@ fn merge_of_two_halves_equals_the_whole() {
     let empty_lse = vec![f32::NEG_INFINITY; whole_lse.len()];
     let mut out2 = vec![0.0; whole.len()];
     merge(
-        &[Partial { out: &whole, lse: &whole_lse }, Partial { out: &empty_out, lse: &empty_lse }],
+        &[
+            Partial {
+                out: &whole,
+                lse: &whole_lse,
+            },
+            Partial {
+                out: &empty_out,
+                lse: &empty_lse,
+            },
+        ],
         d,
         &mut out2,
         &mut lse,
@@ -199,8 +285,19 @@ fn merge_of_two_halves_equals_the_whole() {
     .unwrap();
     close(&out2, &whole, 1e-7, 1e-7, "merge with an empty part");
     assert!(matches!(
-        merge(&[Partial { out: &a[1..], lse: &la }], d, &mut out, &mut lse),
-        Err(AttnError::BufferLength { arg: "parts.out", .. })
+        merge(
+            &[Partial {
+                out: &a[1..],
+                lse: &la
+            }],
+            d,
+            &mut out,
+            &mut lse
+        ),
+        Err(AttnError::BufferLength {
+            arg: "parts.out",
+            ..
+        })
     ));
 }
 
@@ -213,7 +310,11 @@ fn gqa_grouping_equals_repeated_kv() {
     let q = randn(&mut rng, hq * lq * d);
     let k = randn(&mut rng, hkv * lk * d);
     let v = randn(&mut rng, hkv * lk * d);
-    let rep = |x: &[f32]| -> Vec<f32> { (0..hq).flat_map(|h| x[(h / (hq / hkv)) * lk * d..][..lk * d].to_vec()).collect() };
+    let rep = |x: &[f32]| -> Vec<f32> {
+        (0..hq)
+            .flat_map(|h| x[(h / (hq / hkv)) * lk * d..][..lk * d].to_vec())
+            .collect()
+    };
     let (k8, v8) = (rep(&k), rep(&v));
     for isa in Isa::available() {
         let mut grouped = vec![0.0; hq * lq * d];
@@ -248,7 +349,10 @@ fn decode_is_bitwise_identical_across_thread_counts() {
     let k = randn(&mut rng, hkv * lk * d);
     let v = randn(&mut rng, hkv * lk * d);
     let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         let mut out = vec![0.0; hq * d];
         pool.install(|| {
             sdpa(
@@ -264,7 +368,12 @@ fn decode_is_bitwise_identical_across_thread_counts() {
     };
     let one = run(1);
     for t in [2, 3, 4] {
-        assert!(one.iter().zip(run(t)).all(|(a, b)| a.to_bits() == b.to_bits()), "{t} threads differ");
+        assert!(
+            one.iter()
+                .zip(run(t))
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{t} threads differ"
+        );
     }
 }
 
@@ -273,6 +382,16 @@ fn window_needs_causal() {
     let x = vec![0.0f32; 4];
     let t = Tensor::bhld(&x, [1, 1, 1, 4]);
     let mut o = vec![0.0f32; 4];
-    let err = sdpa(&t, &t, &t, &mut TensorMut::bhld(&mut o, [1, 1, 1, 4]), &SdpaOptions::new().window(3)).unwrap_err();
-    assert!(matches!(err, AttnError::BadParam { arg: "window", .. }), "{err}");
+    let err = sdpa(
+        &t,
+        &t,
+        &t,
+        &mut TensorMut::bhld(&mut o, [1, 1, 1, 4]),
+        &SdpaOptions::new().window(3),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, AttnError::BadParam { arg: "window", .. }),
+        "{err}"
+    );
 }
