@@ -28,6 +28,12 @@ pub(crate) trait Simd: Copy {
     unsafe fn pow2i(n: Self::V) -> Self::V;
     unsafe fn hsum(a: Self::V) -> f32;
     unsafe fn hmax(a: Self::V) -> f32;
+    /// `2^x`; see [`exp2`]. ISAs with a cheaper exponent step override it.
+    #[inline(always)]
+    unsafe fn exp2(x: Self::V) -> Self::V {
+        // SAFETY: forwarded contract.
+        unsafe { exp2_generic::<Self>(x) }
+    }
 }
 
 /// Coefficients of a degree-6 fit of 2^f on f ∈ [-0.5, 0.5] (relative error 1.6e-8 before
@@ -45,24 +51,42 @@ const EXP2_C: [f32; 7] = [
 /// Vectorised 2^x.
 ///
 /// Accuracy: ≤ 3 ulp relative to the exact value for x ∈ [-126, 127] (tested against f64 over
-/// the whole range). Below -126.5 the result flushes to +0.0 (the true value is < 1.2e-38), so
-/// `exp2(-inf) == 0`. Above 127 the result saturates near 2^127.5. NaN propagates.
+/// the whole range). Below -126.5 (AVX-512: -126) the result is +0.0 (the true value is
+/// < 1.2e-38), so `exp2(-inf) == 0`. NaN propagates. Above 127 the portable and AVX2 paths
+/// saturate near 2^127.5; AVX-512 gives +inf above 127.5 (and NaN for +inf). Softmax only ever
+/// evaluates it at x ≤ 0.
 #[inline(always)]
 pub(crate) unsafe fn exp2<S: Simd>(x: S::V) -> S::V {
+    // SAFETY: forwarded contract.
+    unsafe { S::exp2(x) }
+}
+
+/// Degree-6 polynomial of `2^f`, f ∈ [-0.5, 0.5].
+#[inline(always)]
+pub(crate) unsafe fn exp2_poly<S: Simd>(f: S::V) -> S::V {
     // SAFETY: register-only arithmetic; the ISA is enabled per the trait's contract.
     unsafe {
-        // Operand order matters: NaN in `x` must win the clamp so it reaches the polynomial.
-        let x = S::max(S::splat(-127.0), x);
-        let x = S::min(S::splat(127.0), x);
-        let n = S::round(x);
-        let f = S::sub(x, n);
         let mut p = S::splat(EXP2_C[6]);
         p = S::fma(p, f, S::splat(EXP2_C[5]));
         p = S::fma(p, f, S::splat(EXP2_C[4]));
         p = S::fma(p, f, S::splat(EXP2_C[3]));
         p = S::fma(p, f, S::splat(EXP2_C[2]));
         p = S::fma(p, f, S::splat(EXP2_C[1]));
-        p = S::fma(p, f, S::splat(EXP2_C[0]));
+        S::fma(p, f, S::splat(EXP2_C[0]))
+    }
+}
+
+/// [`exp2`] from the trait's primitives: clamp, split `x = n + f`, polynomial, `2^n` by
+/// building the exponent bits (`n = -127` gives the bit pattern of +0.0, hence the flush).
+#[inline(always)]
+pub(crate) unsafe fn exp2_generic<S: Simd>(x: S::V) -> S::V {
+    // SAFETY: register-only arithmetic; the ISA is enabled per the trait's contract.
+    unsafe {
+        // Operand order matters: NaN in `x` must win the clamp so it reaches the polynomial.
+        let x = S::max(S::splat(-127.0), x);
+        let x = S::min(S::splat(127.0), x);
+        let n = S::round(x);
+        let p = exp2_poly::<S>(S::sub(x, n));
         S::mul(p, S::pow2i(n))
     }
 }

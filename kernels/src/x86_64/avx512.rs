@@ -73,6 +73,19 @@ impl Simd for Avx512 {
         }
     }
     #[inline(always)]
+    unsafe fn exp2(x: __m512) -> __m512 {
+        // `scalef` applies 2^n in one instruction and handles the range itself, so no clamps:
+        // lanes below -126 (and -inf) are zeroed by the mask (no denormals reach P·V); the
+        // NLT_UQ predicate is true for NaN, which therefore propagates.
+        // SAFETY: see the impl comment.
+        unsafe {
+            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-126.0));
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+            let p = crate::simd::exp2_poly::<Self>(_mm512_sub_ps(x, n));
+            _mm512_maskz_scalef_ps(keep, p, n)
+        }
+    }
+    #[inline(always)]
     unsafe fn hsum(a: __m512) -> f32 {
         // SAFETY: see the impl comment.
         unsafe { _mm512_reduce_add_ps(a) }
