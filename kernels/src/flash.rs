@@ -144,19 +144,11 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
     // SAFETY: (whole body) reads and writes stay inside the extents `args` describes and the
     // scratch slices split above; the ISA is enabled per this function's contract.
     unsafe {
-        // Q̂ᵀ (d × mp), pre-scaled into base-2 units; padding lanes are zero. Raw pointers: this
-        // transpose is a visible share of the time of small calls.
+        // Q̂ᵀ (d × mp), pre-scaled into base-2 units; padding lanes are zero.
         let qscale = a.scale * LOG2E;
-        let qtp = qt.as_mut_ptr();
-        for p in 0..d {
-            core::slice::from_raw_parts_mut(qtp.add(p * mp + m), mp - m).fill(0.0);
-        }
-        for r in 0..m {
-            let src = a.q.add(r * a.ldq);
-            for p in 0..d {
-                *qtp.add(p * mp + r) = *src.add(p) * qscale;
-            }
-        }
+        // One fill for the padding lanes: per-row fills of a few lanes cost a memset call each.
+        qt.fill(0.0);
+        transpose_scaled(a.q, a.ldq, m, d, qt.as_mut_ptr(), mp, |_| qscale);
         mrow.fill(f32::NEG_INFINITY);
         lrow.fill(0.0);
 
@@ -207,16 +199,12 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
         for (t, &l) in tmp.iter_mut().zip(lrow.iter()) {
             *t = if first || l == 0.0 { 0.0 } else { 1.0 / l };
         }
-        let otp = ot.as_ptr();
-        for r in 0..m {
-            let out = a.o.add(r * a.ldo);
-            let inv = tmp[r];
-            if inv == 0.0 {
-                core::slice::from_raw_parts_mut(out, dv).fill(0.0);
-            } else {
-                for c in 0..dv {
-                    *out.add(c) = *otp.add(c * mp + r) * inv;
-                }
+        // Oᵀ → O rows, each scaled by 1/l (0 for a row that saw no key: zeros).
+        transpose_scaled(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
+        for (r, &t) in tmp[..m].iter().enumerate() {
+            if t == 0.0 {
+                // Exactly zero even if V held inf/NaN (0·NaN would not be).
+                core::slice::from_raw_parts_mut(a.o.add(r * a.ldo), dv).fill(0.0);
             }
         }
         if !a.lse.is_null() {
@@ -242,6 +230,35 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
                 } else {
                     exp_scale::<S>(done, mrow[r], tmp[r]);
                 }
+            }
+        }
+    }
+}
+
+/// `dst[c·ldd + r] = src[r·lds + c] · k(c)` for `r < rows`, `c < cols`: the two transposes of the
+/// kernel (Q into Q̂ᵀ, Oᵀ into O). Not inlined and free of `target_feature`, so the compiler
+/// keeps it scalar: vectorised, it becomes AVX-512 gathers and scatters, which are slower than
+/// scalar moves on some CPUs and dominated the time of small calls.
+///
+/// # Safety
+/// `src` readable and `dst` writable at the given extents and strides; no overlap.
+#[inline(never)]
+unsafe fn transpose_scaled(
+    src: *const f32,
+    lds: usize,
+    rows: usize,
+    cols: usize,
+    dst: *mut f32,
+    ldd: usize,
+    k: impl Fn(usize) -> f32,
+) {
+    // SAFETY: per the contract above.
+    unsafe {
+        for c in 0..cols {
+            let kc = k(c);
+            let d = dst.add(c * ldd);
+            for r in 0..rows {
+                *d.add(r) = *src.add(r * lds + c) * kc;
             }
         }
     }
