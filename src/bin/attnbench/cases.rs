@@ -85,9 +85,9 @@ pub const PRESETS: &[(&str, &str)] = &[
         "core",
         "(1,16,512,64) (1,16,1024,64) (1,16,2048,64) (1,8,2048,128) (4,12,512,64) (1,16,4096,64), causal and not",
     ),
-    ("decode", "Lq=1, Lk in {1024, 8192, 32768}, B=1, H=32, D=128"),
+    ("decode", "Lq=1, Lk in {1024, 8192, 32768}, B=1, H=32, Hkv in {32, 8}, D=128"),
     ("small", "(2,8,10,16), (1,4,64,32), causal and not"),
-    ("layers", "multi-head and additive attention layers (not implemented yet: skipped)"),
+    ("layers", "multi-head and additive attention layers (measured by `cargo run --release --example layers_bench`)"),
 ];
 
 /// `(B, H, L, D)` square shapes, each causal and not.

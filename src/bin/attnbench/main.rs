@@ -351,7 +351,7 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
             .any(|n| impls::LAYERS.contains(&n.as_str()))
     {
         eprintln!(
-            "attnbench: the attention layers (mha, additive) are not implemented yet: skipped"
+            "attnbench: the layers (mha, additive) are measured by `cargo run --release --example layers_bench`"
         );
     }
     let mut chosen: Vec<Box<dyn Impl>> = Vec::new();
