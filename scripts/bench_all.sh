@@ -47,7 +47,8 @@ $PYTHON -c 'import torch' 2>/dev/null && HAVE_TORCH=1
 
 for p in $PRESETS; do
     echo "bench_all: attnbench --preset $p --threads $THREADS" >&2
-    "$BIN" --preset "$p" --threads "$THREADS" --json > "$OUT/attnbench-$p.jsonl"
+    "$BIN" --preset "$p" --threads "$THREADS" --json \
+        --impl fused,fused-prefill,fused-decode,unfused-mm,unfused-blas,naive > "$OUT/attnbench-$p.jsonl"
     if [[ $HAVE_TORCH == 1 ]]; then
         echo "bench_all: bench_torch.py --preset $p --threads $THREADS" >&2
         $PYTHON scripts/bench_torch.py --preset "$p" --threads "$THREADS" \

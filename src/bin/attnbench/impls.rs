@@ -67,6 +67,10 @@ pub trait Impl: Sync {
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa);
 }
 
+/// What runs without `--impl`: ours on the automatic path and the baselines (the forced paths
+/// `fused-prefill` / `fused-decode` are opt-in).
+pub const DEFAULT: &[&str] = &["fused", "unfused-mm", "unfused-blas", "naive"];
+
 /// Names accepted by `--impl`, in output order.
 pub const NAMES: &[&str] = &[
     "fused",

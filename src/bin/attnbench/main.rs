@@ -40,7 +40,8 @@ SHAPES
                       top-left causal mask; with a preset, keeps only the cases that match
                       (default for an explicit shape: no; `--causal` alone means yes)
 RUN
-  --impl LIST         comma-separated: fused,unfused-mm,unfused-blas,naive (default: all this
+  --impl LIST         comma-separated from fused, fused-prefill, fused-decode (the kernel forced),
+                      unfused-mm, unfused-blas, naive (default: fused and the baselines this
                       build has; unfused-blas needs --features blas; naive only on small shapes)
   --threads LIST      rayon threads, e.g. 1,2 (default: all cores)
   --isa NAME          scalar | avx2 | avx512 for our kernels (default: best, or $ATTNKIT_ISA)
@@ -91,7 +92,7 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
     let mut causal: Option<String> = None;
     let mut cfg = Config {
         cases: Vec::new(),
-        impls: impls::NAMES.iter().map(|s| s.to_string()).collect(),
+        impls: impls::DEFAULT.iter().map(|s| s.to_string()).collect(),
         threads: vec![rayon::current_num_threads()],
         isa: Isa::detect().map_err(|e| e.to_string())?,
         warmup: 1,
