@@ -143,12 +143,16 @@ unsafe fn decode_rows<S: Simd, const R: usize, const NC: usize>(
             // Masks, then the online-softmax step per row.
             for (r, row) in rows.iter().enumerate() {
                 let srow = &mut sbuf[r * KB..(r + 1) * KB];
-                for (jj, x) in srow[..nk].iter_mut().enumerate() {
-                    let j = jb + jj;
-                    if j < row.lo || j >= row.hi || (!row.mask.is_null() && !*row.mask.add(j)) {
-                        *x = f32::NEG_INFINITY;
-                    } else if !row.bias.is_null() {
-                        *x += *row.bias.add(j) * LOG2E;
+                // Most blocks lie inside the row's visible range with no mask: skip the loop.
+                let inside = jb >= row.lo && jb + nk <= row.hi;
+                if !(inside && row.mask.is_null() && row.bias.is_null()) {
+                    for (jj, x) in srow[..nk].iter_mut().enumerate() {
+                        let j = jb + jj;
+                        if j < row.lo || j >= row.hi || (!row.mask.is_null() && !*row.mask.add(j)) {
+                            *x = f32::NEG_INFINITY;
+                        } else if !row.bias.is_null() {
+                            *x += *row.bias.add(j) * LOG2E;
+                        }
                     }
                 }
                 srow[nk..].fill(f32::NEG_INFINITY);
