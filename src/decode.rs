@@ -60,40 +60,48 @@ impl Plan {
         let chunks = s.lk.div_ceil(clen).max(1);
         let pl = partial_len(s.dv);
         let per_task = rows * pl;
-        PARTIALS.with(|cell| {
-            let mut buf = cell.borrow_mut();
-            let len = groups * chunks * per_task;
-            if buf.len() < len {
-                buf.resize(len, 0.0);
-            }
-            let parts = SharedPtr(buf.as_mut_ptr());
-            self.for_each(par, groups * chunks, |t| {
-                // SAFETY: task `t` owns partial rows `[t·rows, (t+1)·rows)` of the buffer.
-                let dst = unsafe { parts.at(t * per_task) };
-                self.decode_task(t / chunks, t % chunks, clen, dst, pl);
-            });
-            for grp in 0..groups {
-                let (b, hk) = (grp / s.hkv, grp % s.hkv);
-                for r in 0..rows {
-                    let (h, i) = (hk * g + r / s.lq, r % s.lq);
-                    // SAFETY: `out` row (b, h, i) and lse entry are in bounds (validated) and
-                    // nothing else touches them now.
-                    unsafe {
-                        let out = core::slice::from_raw_parts_mut(
-                            self.o.add(Plan::off(self.os, b, h, i)),
-                            s.dv,
-                        );
-                        let lse = merge_partials(
-                            &buf[(grp * chunks * rows + r) * pl..],
-                            per_task,
-                            chunks,
-                            out,
-                        );
-                        if !self.lse.is_null() {
-                            *self.lse.add((b * s.hq + h) * s.lq + i) = lse;
-                        }
+        // Take the buffer out of the thread-local rather than borrowing it across the parallel
+        // loop: while this thread waits in rayon it may run another call's decode (nested
+        // parallelism in the caller), which then finds an empty buffer and uses its own.
+        let mut buf = PARTIALS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+        let len = groups * chunks * per_task;
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
+        let parts = SharedPtr(buf.as_mut_ptr());
+        self.for_each(par, groups * chunks, |t| {
+            // SAFETY: task `t` owns partial rows `[t·rows, (t+1)·rows)` of the buffer.
+            let dst = unsafe { parts.at(t * per_task) };
+            self.decode_task(t / chunks, t % chunks, clen, dst, pl);
+        });
+        for grp in 0..groups {
+            let (b, hk) = (grp / s.hkv, grp % s.hkv);
+            for r in 0..rows {
+                let (h, i) = (hk * g + r / s.lq, r % s.lq);
+                // SAFETY: `out` row (b, h, i) and lse entry are in bounds (validated) and
+                // nothing else touches them now.
+                unsafe {
+                    let out = core::slice::from_raw_parts_mut(
+                        self.o.add(Plan::off(self.os, b, h, i)),
+                        s.dv,
+                    );
+                    let lse = merge_partials(
+                        &buf[(grp * chunks * rows + r) * pl..],
+                        per_task,
+                        chunks,
+                        out,
+                    );
+                    if !self.lse.is_null() {
+                        *self.lse.add((b * s.hq + h) * s.lq + i) = lse;
                     }
                 }
+            }
+        }
+        // Keep the larger buffer for the next call on this thread.
+        PARTIALS.with(|cell| {
+            let mut kept = cell.borrow_mut();
+            if kept.len() < buf.len() {
+                *kept = buf;
             }
         });
     }

@@ -395,3 +395,49 @@ fn window_needs_causal() {
         "{err}"
     );
 }
+
+/// Calls made from inside rayon tasks (nested parallelism) work and give the same results. A
+/// thread waiting in one call's parallel loop may run another call meanwhile (work stealing), so
+/// no per-thread buffer may stay borrowed across a parallel loop; whether a given run hits that
+/// interleaving is up to rayon's scheduler, hence many calls, repeated.
+#[test]
+fn nested_calls_from_rayon_tasks() {
+    use rayon::prelude::*;
+    let mut rng = SmallRng::seed_from_u64(15);
+    let (hq, hkv, lk, d) = (8, 2, 1200, 64); // above the parallel threshold
+    let inputs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..48)
+        .map(|_| {
+            (
+                randn(&mut rng, hq * d),
+                randn(&mut rng, hkv * lk * d),
+                randn(&mut rng, hkv * lk * d),
+            )
+        })
+        .collect();
+    let run = |(q, k, v): &(Vec<f32>, Vec<f32>, Vec<f32>), par: attnkit::Par| {
+        let mut out = vec![0.0; hq * d];
+        sdpa(
+            &Tensor::bhld(q, [1, hq, 1, d]),
+            &Tensor::bhld(k, [1, hkv, lk, d]),
+            &Tensor::bhld(v, [1, hkv, lk, d]),
+            &mut TensorMut::bhld(&mut out, [1, hq, 1, d]),
+            &SdpaOptions::new().path(Path::Decode).par(par),
+        )
+        .unwrap();
+        out
+    };
+    let want: Vec<Vec<f32>> = inputs.iter().map(|x| run(x, attnkit::Par::Seq)).collect();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for _ in 0..5 {
+        let got: Vec<Vec<f32>> = pool.install(|| {
+            inputs
+                .par_iter()
+                .map(|x| run(x, attnkit::Par::Rayon))
+                .collect()
+        });
+        assert_eq!(got, want);
+    }
+}
