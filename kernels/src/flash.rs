@@ -195,12 +195,14 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
             j0 += nb;
         }
 
-        // Oᵀ → O, normalised. A row that saw no key (l = 0) gives zeros and lse = −inf.
+        // Oᵀ → O, each row scaled by 1/l. A row that saw no key (l = 0) gives zeros and
+        // lse = −inf; with no key block at all, Oᵀ was never written and is not read.
         for (t, &l) in tmp.iter_mut().zip(lrow.iter()) {
             *t = if first || l == 0.0 { 0.0 } else { 1.0 / l };
         }
-        // Oᵀ → O rows, each scaled by 1/l (0 for a row that saw no key: zeros).
-        transpose_scaled(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
+        if !first {
+            transpose_scaled(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
+        }
         for (r, &t) in tmp[..m].iter().enumerate() {
             if t == 0.0 {
                 // Exactly zero even if V held inf/NaN (0·NaN would not be).

@@ -77,7 +77,6 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
 /// One column panel (NV vectors wide) over all `m` rows: full MR-row tiles, then one shorter
 /// tile. The panel of B (`kc × NV·W`) stays in L1 while the rows of A stream past it.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
     m: usize,
     kc: usize,
@@ -128,7 +127,6 @@ unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
 /// # Safety
 /// As [`tile`], for all `m` rows and `nvec·W` columns; `NV ≤ 4`, `MR ≤ 8`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NV: usize>(
     m: usize,
     nvec: usize,
@@ -168,7 +166,6 @@ pub(crate) trait Tiles: Simd {
     ///
     /// # Safety
     /// As [`gemm`].
-    #[allow(clippy::too_many_arguments)]
     unsafe fn block(
         m: usize,
         nvec: usize,
@@ -219,7 +216,6 @@ tiles!(crate::x86_64::avx512::Avx512, 8, 3);
 /// # Safety
 /// As [`gemm`].
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn block<S: Tiles>(
     m: usize,
     nvec: usize,

@@ -41,19 +41,16 @@ macro_rules! isa_fn {
     ($name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $gm:ident :: $gf:ident) => {
         /// # Safety
         /// `isa.is_supported()` and the contract of the generic kernel.
-        #[allow(clippy::too_many_arguments)]
         unsafe fn $name(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
             debug_assert!(isa.is_supported(), "{isa} is not supported on this CPU");
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
-            #[allow(clippy::too_many_arguments)]
             unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                 // SAFETY: forwarded contract; AVX2+FMA enabled by the caller's check.
                 unsafe { $gm::$gf::<x86_64::avx2::Avx2>($($arg),*) }
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f")]
-            #[allow(clippy::too_many_arguments)]
             unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
                 // SAFETY: forwarded contract; AVX-512F enabled by the caller's check.
                 unsafe { $gm::$gf::<x86_64::avx512::Avx512>($($arg),*) }
@@ -157,7 +154,6 @@ pub fn softmax_row(isa: Isa, x: &mut [f32]) {
 ///
 /// # Panics
 /// If `isa` is unsupported or a slice is too short for the extents.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     isa: Isa,
     m: usize,

@@ -18,7 +18,6 @@ pub fn softmax_row(x: &[f64]) -> Vec<f64> {
 }
 
 /// `C[m × n] = A[m × k] · B[k × n]` in f64 (row-major with leading dimensions).
-#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     m: usize,
     n: usize,
