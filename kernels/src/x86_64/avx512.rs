@@ -91,6 +91,43 @@ impl Simd for Avx512 {
         unsafe { _mm512_reduce_add_ps(a) }
     }
     #[inline(always)]
+    unsafe fn hsums(v: &[__m512]) -> __m512 {
+        // Four levels, each halving the register count: pairs of floats inside 128-bit blocks
+        // (unpack ps), pairs of pairs (unpack pd), then 128-bit blocks across registers. Plain
+        // loops, no closures: a closure would not inherit the target features and is not
+        // inlined.
+        // SAFETY: see the impl comment; `v` has 16 registers (indexing checks it).
+        unsafe {
+            let mut u = [_mm512_setzero_ps(); 8];
+            for (i, x) in u.iter_mut().enumerate() {
+                let (a, b) = (v[2 * i], v[2 * i + 1]);
+                *x = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+            }
+            let mut w = [_mm512_setzero_ps(); 4];
+            for (i, x) in w.iter_mut().enumerate() {
+                let (a, b) = (_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
+                // 64-bit shuffles of float pairs; the sum itself is in f32.
+                *x = _mm512_add_ps(
+                    _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+                );
+            }
+            // w[k]'s four blocks each hold partial sums of v[4k..4k+4].
+            let x0 = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(w[0], w[1]),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(w[0], w[1]),
+            );
+            let x1 = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(w[2], w[3]),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(w[2], w[3]),
+            );
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x0, x1),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x0, x1),
+            )
+        }
+    }
+    #[inline(always)]
     unsafe fn hmax(a: __m512) -> f32 {
         // SAFETY: see the impl comment.
         unsafe { _mm512_reduce_max_ps(a) }
