@@ -34,14 +34,19 @@ impl KvCache {
                 .try_fold(1usize, |a, &y| a.checked_mul(y))
                 .ok_or(AttnError::Overflow { arg: "capacity" })
         };
+        // Decode streams the whole cache per token: ask for huge pages (see `pages.rs`).
+        let mut k = vec![0.0; size(d)?];
+        let mut v = vec![0.0; size(dv)?];
+        crate::advise_huge_pages(&mut k);
+        crate::advise_huge_pages(&mut v);
         Ok(KvCache {
             b,
             hkv,
             cap: capacity,
             d,
             dv,
-            k: vec![0.0; size(d)?],
-            v: vec![0.0; size(dv)?],
+            k,
+            v,
             lens: vec![0; b],
         })
     }

@@ -19,6 +19,7 @@ mod kv_cache;
 mod layers;
 mod merge;
 mod options;
+mod pages;
 mod scratch;
 mod sdpa;
 pub mod unfused;
@@ -35,6 +36,7 @@ pub use layers::{
 };
 pub use merge::{merge, Partial};
 pub use options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
+pub use pages::advise_huge_pages;
 pub use sdpa::{choose_path, sdpa, sdpa_ext, sdpa_vec};
 pub use view::{Layout, Tensor, TensorMut};
 

@@ -441,3 +441,18 @@ fn nested_calls_from_rayon_tasks() {
         assert_eq!(got, want);
     }
 }
+
+/// The huge-page advice never changes contents, refuses buffers without a whole 2 MiB-aligned
+/// interior, and a cache built on advised buffers still decodes correctly (covered above).
+#[test]
+fn huge_page_advice_keeps_contents() {
+    let mut small = vec![1.5f32; 1000];
+    assert!(!attnkit::advise_huge_pages(&mut small));
+    assert!(small.iter().all(|&x| x == 1.5));
+    let mut big: Vec<f32> = (0..(3 << 20)).map(|i| i as f32).collect(); // 12 MiB, touched
+    let advised = attnkit::advise_huge_pages(&mut big);
+    if cfg!(not(target_os = "linux")) {
+        assert!(!advised);
+    }
+    assert!(big.iter().enumerate().all(|(i, &x)| x == i as f32));
+}

@@ -18,25 +18,29 @@ pub struct Inputs {
 
 impl Inputs {
     /// Uniform in [-1, 1), from a SplitMix64 stream seeded by `seed` and the shape, so each case
-    /// sees the same data in every run and every implementation.
-    pub fn new(case: &Case, seed: u64) -> Inputs {
+    /// sees the same data in every run and every implementation. `huge_pages`: advise
+    /// transparent huge pages for the buffers before filling them (`--huge-pages`).
+    pub fn new(case: &Case, seed: u64, huge_pages: bool) -> Inputs {
         let mut state = seed
             ^ (case.b as u64) << 48
             ^ (case.h as u64) << 40
             ^ (case.lq as u64) << 20
             ^ case.lk as u64;
         let mut fill = |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                    let mut z = state;
-                    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                    z ^= z >> 31;
-                    // 24 random bits → [-1, 1).
-                    (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-                })
-                .collect()
+            let mut buf = vec![0.0f32; n];
+            if huge_pages {
+                attnkit::advise_huge_pages(&mut buf);
+            }
+            for x in buf.iter_mut() {
+                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                // 24 random bits → [-1, 1).
+                *x = (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+            }
+            buf
         };
         Inputs {
             q: fill(case.q_len()),
@@ -239,7 +243,7 @@ mod tests {
         let isa = Isa::detect().unwrap();
         for causal in [false, true] {
             let case = Case::new(2, 4, 33, 33, 16, causal);
-            let inp = Inputs::new(&case, 7);
+            let inp = Inputs::new(&case, 7, false);
             let mut want = vec![0.0; case.q_len()];
             Naive {
                 max_macs: f64::INFINITY,
@@ -264,9 +268,9 @@ mod tests {
     #[test]
     fn inputs_are_deterministic() {
         let case = Case::new(1, 2, 8, 8, 4, false);
-        let (a, b) = (Inputs::new(&case, 1), Inputs::new(&case, 1));
+        let (a, b) = (Inputs::new(&case, 1, false), Inputs::new(&case, 1, true));
         assert_eq!(a.q, b.q);
         assert!(a.q.iter().all(|x| (-1.0..1.0).contains(x)));
-        assert_ne!(a.q, Inputs::new(&case, 2).q);
+        assert_ne!(a.q, Inputs::new(&case, 2, false).q);
     }
 }

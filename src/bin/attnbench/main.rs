@@ -50,6 +50,8 @@ RUN
   --min-time SECS     ... and at least this long in all (default 0.3) ...
   --max-time SECS     ... but stop after this long once 3 calls are done (default 5)
   --seed N            input seed (default 42; inputs are uniform in [-1, 1))
+  --huge-pages        ask for transparent huge pages for Q, K, V (Linux madvise; what KvCache
+                      does for its own buffers; matters for decode, see BENCHMARKS.md)
   --naive-max M       largest case for naive, in millions of multiply-adds (default 32)
   --peak GFLOPS       one thread's FMA peak, instead of the probe (scaled by the thread count)
 OUTPUT
@@ -76,6 +78,7 @@ struct Config {
     min_time: f64,
     max_time: f64,
     seed: u64,
+    huge_pages: bool,
     naive_max: f64,
     peak: Option<f64>,
     json: bool,
@@ -100,6 +103,7 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
         min_time: 0.3,
         max_time: 5.0,
         seed: 42,
+        huge_pages: false,
         naive_max: 32e6,
         peak: None,
         json: false,
@@ -195,6 +199,7 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
             "--min-time" => cfg.min_time = num(value(&mut it)?)?,
             "--max-time" => cfg.max_time = num(value(&mut it)?)?,
             "--seed" => cfg.seed = int(value(&mut it)?)? as u64,
+            "--huge-pages" => cfg.huge_pages = true,
             "--naive-max" => cfg.naive_max = num(value(&mut it)?)? * 1e6,
             "--peak" => cfg.peak = Some(num(value(&mut it)?)?),
             "--json" => cfg.json = true,
@@ -393,7 +398,7 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
             peaks.insert(t, p);
         }
         for case in &cfg.cases {
-            let inputs = Inputs::new(case, cfg.seed);
+            let inputs = Inputs::new(case, cfg.seed, cfg.huge_pages);
             let mut reference: Option<Vec<f32>> = None;
             for imp in &chosen {
                 pb.set_message(format!("{} {case} on {t} thread(s)", imp.name()));
