@@ -43,6 +43,19 @@ pub(crate) trait Simd: Copy {
             Self::load(t.as_ptr())
         }
     }
+    /// 8×8 block transpose with a scale per output row: `dst[c·ldd + r] = src[r·lds + c] · k[c]`
+    /// for `r, c < 8`. The default is scalar; x86 overrides it with shuffles.
+    #[inline(always)]
+    unsafe fn transpose8(src: *const f32, lds: usize, dst: *mut f32, ldd: usize, k: &[f32; 8]) {
+        // SAFETY: forwarded contract (8 readable rows of 8 at `src`, 8 writable rows at `dst`).
+        unsafe {
+            for (c, &kc) in k.iter().enumerate() {
+                for r in 0..8 {
+                    *dst.add(c * ldd + r) = *src.add(r * lds + c) * kc;
+                }
+            }
+        }
+    }
     /// `2^x`; see [`exp2`]. ISAs with a cheaper exponent step override it.
     #[inline(always)]
     unsafe fn exp2(x: Self::V) -> Self::V {
@@ -303,11 +316,42 @@ mod tests {
         }
     }
 
+    /// `transpose8` on `S` against the definition, strided both ways, scale per output row.
+    unsafe fn check_transpose8<S: Simd>(name: &str) {
+        let (lds, ldd) = (11, 13);
+        let src: Vec<f32> = (0..8 * lds).map(|i| i as f32).collect();
+        let k: [f32; 8] = core::array::from_fn(|c| 1.0 + c as f32);
+        let mut dst = vec![f32::NAN; 8 * ldd];
+        // SAFETY: the caller checked the ISA; 8 rows at both strides fit the buffers.
+        unsafe { S::transpose8(src.as_ptr(), lds, dst.as_mut_ptr(), ldd, &k) };
+        for c in 0..8 {
+            for r in 0..8 {
+                assert_eq!(
+                    dst[c * ldd + r],
+                    src[r * lds + c] * k[c],
+                    "{name}: ({r}, {c})"
+                );
+            }
+            assert!(
+                dst[c * ldd + 8..(c + 1) * ldd].iter().all(|x| x.is_nan()),
+                "{name}: pad"
+            );
+        }
+    }
+
+    unsafe fn check_all<S: Simd>(name: &str) {
+        // SAFETY: forwarded.
+        unsafe {
+            check_hsums::<S>(name);
+            check_transpose8::<S>(name);
+        }
+    }
+
     #[test]
-    fn hsums_every_isa() {
+    fn hsums_and_transpose8_every_isa() {
         // SAFETY: portable needs nothing; the others run only where detected.
         unsafe {
-            check_hsums::<Portable>("portable");
+            check_all::<Portable>("portable");
             #[cfg(target_arch = "x86_64")]
             {
                 if crate::Isa::Avx2.is_supported() {
@@ -324,13 +368,13 @@ mod tests {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn hsums_avx2() {
         // SAFETY: AVX2+FMA enabled here and checked by the caller.
-        unsafe { check_hsums::<crate::x86_64::avx2::Avx2>("avx2") }
+        unsafe { check_all::<crate::x86_64::avx2::Avx2>("avx2") }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     unsafe fn hsums_avx512() {
         // SAFETY: AVX-512F enabled here and checked by the caller.
-        unsafe { check_hsums::<crate::x86_64::avx512::Avx512>("avx512") }
+        unsafe { check_all::<crate::x86_64::avx512::Avx512>("avx512") }
     }
 }
