@@ -79,16 +79,47 @@ fn prefetch(p: *const f32) {
     crate::simd::prefetch_l2(p.cast());
 }
 
-/// Requests the cache lines of `n` floats at `p`.
-#[inline(always)]
-fn prefetch_row(p: *const f32, n: usize) {
-    let mut i = 0;
-    while i < n {
-        prefetch(p.wrapping_add(i));
-        i += 16;
+/// A cursor over the cache lines of `rows` rows of `n` floats (stride `ld`), requested a few at a
+/// time in address order, so the prefetches of a key group are spread over its compute loop
+/// (a burst of them overflows the miss queues and gets dropped).
+struct Lines {
+    p: *const f32,
+    ld: usize,
+    per_row: usize,
+    rows: usize,
+    row: usize,
+    line: usize,
+}
+
+impl Lines {
+    #[inline(always)]
+    fn new(p: *const f32, ld: usize, n: usize, rows: usize) -> Self {
+        Lines {
+            p,
+            ld,
+            per_row: n.div_ceil(16),
+            rows,
+            row: 0,
+            line: 0,
+        }
     }
-    if n > 0 {
-        prefetch(p.wrapping_add(n - 1));
+    #[inline(always)]
+    fn total(&self) -> usize {
+        self.rows * self.per_row
+    }
+    /// Requests the next `count` lines (fewer at the end).
+    #[inline(always)]
+    fn next(&mut self, count: usize) {
+        let mut left = count;
+        while left > 0 && self.row < self.rows {
+            prefetch(self.p.wrapping_add(self.row * self.ld + self.line * 16));
+            self.line += 1;
+            if self.line == self.per_row {
+                self.line = 0;
+                self.row += 1;
+            }
+            left -= 1;
+        }
     }
 }
 
@@ -151,15 +182,20 @@ unsafe fn decode_rows<S: Simd, const R: usize, const KEYS: usize, const NC: usiz
                 // row is a short stream; measured: half the bandwidth), so the K and V rows PF
                 // keys ahead are requested explicitly, in address order.
                 let jp = jb + jj + PF;
-                if KEYS > 1 && jp < a.j_end {
-                    for j in jp..(jp + KEYS).min(a.j_end) {
-                        prefetch_row(a.k.wrapping_add(j * a.ldk), d);
-                        prefetch_row(a.v.wrapping_add(j * a.ldv), dv);
-                    }
-                }
+                let npf = if KEYS > 1 && jp < a.j_end {
+                    KEYS.min(a.j_end - jp)
+                } else {
+                    0
+                };
+                let mut kpf = Lines::new(a.k.wrapping_add(jp * a.ldk), a.ldk, d, npf);
+                let mut vpf = Lines::new(a.v.wrapping_add(jp * a.ldv), a.ldv, dv, npf);
+                let per_k = kpf.total().div_ceil((dfull / w).max(1));
+                let per_v = vpf.total().div_ceil((dfull / w).max(1));
                 let mut acc = [[S::splat(0.0); KEYS]; R];
                 let mut c = 0;
                 while c < dfull {
+                    kpf.next(per_k);
+                    vpf.next(per_v);
                     let mut kv = [S::splat(0.0); KEYS];
                     for (x, p) in kv.iter_mut().zip(kp) {
                         *x = S::load(p.add(c));
@@ -172,6 +208,8 @@ unsafe fn decode_rows<S: Simd, const R: usize, const KEYS: usize, const NC: usiz
                     }
                     c += w;
                 }
+                kpf.next(usize::MAX);
+                vpf.next(usize::MAX);
                 let mut regs = [S::splat(0.0); 16];
                 for r in 0..R {
                     for k in 0..KEYS {
