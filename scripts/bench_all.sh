@@ -56,6 +56,19 @@ for p in $PRESETS; do
     fi
 done
 
+# Decode streams K and V from memory, where page size matters on this VM (BENCHMARKS.md): run it
+# again with transparent huge pages for the inputs, ours through --huge-pages (what KvCache does)
+# and PyTorch's through its allocator switch THP_MEM_ALLOC_ENABLE=1. Rows are named NAME+thp.
+if [[ " $PRESETS " == *" decode "* ]]; then
+    echo "bench_all: attnbench --preset decode --huge-pages --threads $THREADS" >&2
+    "$BIN" --preset decode --threads "$THREADS" --json --huge-pages \
+        --impl fused,unfused-mm > "$OUT/attnbench-decode-thp.jsonl"
+    if [[ $HAVE_TORCH == 1 ]]; then
+        THP_MEM_ALLOC_ENABLE=1 $PYTHON scripts/bench_torch.py --preset decode --threads "$THREADS" \
+            --name torch-sdpa+thp --peak-from "$OUT/attnbench-decode.jsonl" > "$OUT/torch-decode-thp.jsonl"
+    fi
+fi
+
 FROM=()
 for f in "$OUT"/*.jsonl; do FROM+=(--from "$f"); done
 CORE=()

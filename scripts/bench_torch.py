@@ -48,7 +48,7 @@ def peaks_from(paths):
                 if not line or line.startswith("#"):
                     continue
                 r = json.loads(line)
-                if r.get("pct_peak") and r["impl"] != "torch-sdpa":
+                if r.get("pct_peak") and not r["impl"].startswith("torch-sdpa"):
                     peaks.setdefault(r["threads"], r["gflops"] / (r["pct_peak"] / 100.0))
     return peaks
 
@@ -56,6 +56,7 @@ def peaks_from(paths):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    ap.add_argument("--name", default="torch-sdpa", help="impl field (e.g. torch-sdpa+thp for a run under THP_MEM_ALLOC_ENABLE=1)")
     ap.add_argument("--b", type=int)
     ap.add_argument("--h", type=int)
     ap.add_argument("--hkv", type=int)
@@ -112,7 +113,7 @@ def main():
             median = statistics.median(times)
             gflops = flops(b, h, lq, lk, d, causal) / median / 1e9
             rec = {
-                "impl": "torch-sdpa",
+                "impl": args.name,
                 "b": b, "h": h, "hkv": hkv, "lq": lq, "lk": lk, "d": d,
                 "causal": causal,
                 "threads": threads,

@@ -51,7 +51,8 @@ RUN
   --max-time SECS     ... but stop after this long once 3 calls are done (default 5)
   --seed N            input seed (default 42; inputs are uniform in [-1, 1))
   --huge-pages        ask for transparent huge pages for Q, K, V (Linux madvise; what KvCache
-                      does for its own buffers; matters for decode, see BENCHMARKS.md)
+                      does for its own buffers; matters for decode, see BENCHMARKS.md); the
+                      implementations are reported as NAME+thp
   --naive-max M       largest case for naive, in millions of multiply-adds (default 32)
   --peak GFLOPS       one thread's FMA peak, instead of the probe (scaled by the thread count)
 OUTPUT
@@ -445,7 +446,8 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
                     peaks.entry(threads).or_insert(p);
                 }
                 let rec = Record {
-                    imp: imp.name().to_string(),
+                    // Huge-page runs get their own rows in the tables.
+                    imp: format!("{}{}", imp.name(), if cfg.huge_pages { "+thp" } else { "" }),
                     case: *case,
                     threads,
                     isa: imp.isa_label(cfg.isa, case),
