@@ -8,7 +8,9 @@ use crate::sdpa::sdpa;
 use crate::view::{check_len, Tensor, TensorMut};
 
 /// One layer's cache. Capacity is fixed at construction: appending past it is an error, never a
-/// silent overwrite or a reallocation behind the caller's back.
+/// silent overwrite or a reallocation behind the caller's back. The buffers are allocated zeroed
+/// and advised for transparent huge pages ([`crate::advise_huge_pages`]) before first use (a
+/// clone copies into ordinary pages).
 #[derive(Clone, Debug)]
 pub struct KvCache {
     b: usize,
