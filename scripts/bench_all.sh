@@ -7,6 +7,7 @@
 #   scripts/bench_all.sh --update     # ... and replace the results section of BENCHMARKS.md
 #
 # Environment: OUT (results folder), THREADS (default 1,2), PRESETS (default "core decode small"),
+# AVX2 (default 1: also the core shapes with both libraries forced to AVX2),
 # CARGO_TARGET_DIR, PYTHON (default python3). Needs a quiet machine: nothing else running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +67,18 @@ if [[ " $PRESETS " == *" decode "* ]]; then
     if [[ $HAVE_TORCH == 1 ]]; then
         THP_MEM_ALLOC_ENABLE=1 $PYTHON scripts/bench_torch.py --preset decode --threads "$THREADS" \
             --name torch-sdpa+thp --peak-from "$OUT/attnbench-decode.jsonl" > "$OUT/torch-decode-thp.jsonl"
+    fi
+fi
+
+# The AVX2 path, forced, on the core shapes; PyTorch forced to AVX2 too (ATEN_CPU_CAPABILITY).
+# Rows are named NAME@avx2. AVX2=0 skips it.
+if [[ ${AVX2:-1} == 1 && " $PRESETS " == *" core "* ]]; then
+    echo "bench_all: attnbench --preset core --isa avx2 --threads $THREADS" >&2
+    "$BIN" --preset core --threads "$THREADS" --json --isa avx2 --impl fused \
+        | sed 's/"impl":"fused"/"impl":"fused@avx2"/' > "$OUT/attnbench-core-avx2.jsonl"
+    if [[ $HAVE_TORCH == 1 ]]; then
+        ATEN_CPU_CAPABILITY=avx2 $PYTHON scripts/bench_torch.py --preset core --threads "$THREADS" \
+            --name torch-sdpa@avx2 --peak-from "$OUT/attnbench-core-avx2.jsonl" > "$OUT/torch-core-avx2.jsonl"
     fi
 fi
 
