@@ -33,7 +33,7 @@ mkdir -p "$OUT"
 rm -f "$OUT"/*.jsonl
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
-    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (modified)')"
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet -- . ':!benches/results' ':!BENCHMARKS.md' 2>/dev/null || echo ' (modified)')"
     echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
     echo "rustc: $(rustc --version)"
     echo "openblas: $(dpkg-query -W -f='${Version}' libopenblas0-pthread 2>/dev/null || echo 'not installed')"
