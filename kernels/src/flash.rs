@@ -11,7 +11,7 @@
 //! a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
 
 use crate::gemm::{Accum, Tiles};
-use crate::simd::{exp2, Simd};
+use crate::simd::{exp2, Simd, SimdDiv};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 const LN2: f32 = core::f32::consts::LN_2;
@@ -101,7 +101,7 @@ pub fn scratch_len(m: usize, d: usize, dv: usize) -> usize {
 /// overlap each other or any input; `scratch.len() ≥ scratch_len(m, d, dv)`; the ISA of `S` is
 /// enabled on this CPU.
 #[inline(always)]
-pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
+pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f32]) {
     let FlashArgs { m, d, dv, .. } = *a;
     if m == 0 {
         return;
@@ -197,14 +197,21 @@ pub(crate) unsafe fn forward<S: Tiles>(a: &FlashArgs, scratch: &mut [f32]) {
 
         // Oᵀ → O, each row scaled by 1/l. A row that saw no key (l = 0) gives zeros and
         // lse = −inf; with no key block at all, Oᵀ was never written and is not read.
-        for (t, &l) in tmp.iter_mut().zip(lrow.iter()) {
-            *t = if first || l == 0.0 { 0.0 } else { 1.0 / l };
-        }
-        if !first {
+        // 1/l a register at a time (l = 0 gives inf here; those rows are overwritten below).
+        if first {
+            tmp.fill(0.0);
+        } else {
+            let one = S::splat(1.0);
+            for c in (0..mp).step_by(S::W) {
+                S::store(
+                    tmp.as_mut_ptr().add(c),
+                    S::div(one, S::load(lrow.as_ptr().add(c))),
+                );
+            }
             transpose_scaled::<S>(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
         }
-        for (r, &t) in tmp[..m].iter().enumerate() {
-            if t == 0.0 {
+        for (r, &l) in lrow[..m].iter().enumerate() {
+            if first || l == 0.0 {
                 // Exactly zero even if V held inf/NaN (0·NaN would not be).
                 core::slice::from_raw_parts_mut(a.o.add(r * a.ldo), dv).fill(0.0);
             }
