@@ -152,24 +152,46 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
         mrow.fill(f32::NEG_INFINITY);
         lrow.fill(0.0);
 
+        // Keys before `jd` are visible to every row the causal mask allows; from `jd` on (the
+        // diagonal) key j is hidden from the first `j − jd + 1` rows. Below the diagonal the key
+        // loop runs in blocks of `nb_max` over all lanes; on it, in steps of W keys, each step
+        // skipping the lane vectors its keys are hidden from (≈ half the diagonal's work).
+        let jd = match a.causal {
+            Some(off) => ((a.row0 as isize + off + 1).max(0) as usize).clamp(kmin, kmax),
+            None => kmax,
+        };
+        let nvec = mp / w;
         let mut j0 = kmin;
         let mut first = true;
         while j0 < kmax {
-            let nb = nb_max.min(kmax - j0);
+            let (nb, u) = if j0 < jd {
+                (nb_max.min(jd - j0), 0)
+            } else {
+                // Lanes < u·W are hidden from keys [j0, j0 + W): at least j0 − jd + 1 rows.
+                // The first block writes every lane of Oᵀ, so it skips none.
+                let u = if first {
+                    0
+                } else {
+                    ((j0 - jd) / w).min(nvec - 1)
+                };
+                (w.min(kmax - j0), u)
+            };
+            let lanes = u * w;
             let s = &mut st[..nb * mp];
             S::block(
                 nb,
-                mp / w,
+                nvec - u,
                 d,
                 a.k.add(j0 * a.ldk),
                 a.ldk,
                 1,
-                qt.as_ptr(),
+                qt.as_ptr().add(lanes),
                 mp,
-                s.as_mut_ptr(),
+                s.as_mut_ptr().add(lanes),
                 mp,
                 Accum::Replace,
             );
+            // Lanes < u·W of `s` are stale; the causal fill of `mask_block` sets them to −inf.
             mask_block(a, j0, nb, mp, s);
             let rescale = online_softmax::<S>(s, nb, mp, mrow, lrow, alpha);
             if rescale && !first {
@@ -178,16 +200,17 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
                 }
             }
             let acc = if first { Accum::Replace } else { Accum::Add };
+            // P is exactly 0 on the skipped lanes, so Oᵀ there is unchanged.
             S::block(
                 dv,
-                mp / w,
+                nvec - u,
                 nb,
                 a.v.add(j0 * a.ldv),
                 1,
                 a.ldv,
-                s.as_ptr(),
+                s.as_ptr().add(lanes),
                 mp,
-                ot.as_mut_ptr(),
+                ot.as_mut_ptr().add(lanes),
                 mp,
                 acc,
             );
