@@ -156,11 +156,14 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
         // diagonal) key j is hidden from the first `j − jd + 1` rows. Below the diagonal the key
         // loop runs in blocks of `nb_max` over all lanes; on it, in steps of W keys, each step
         // skipping the lane vectors its keys are hidden from (≈ half the diagonal's work).
-        let jd = match a.causal {
-            Some(off) => ((a.row0 as isize + off + 1).max(0) as usize).clamp(kmin, kmax),
-            None => kmax,
-        };
+        // With a single lane vector nothing can be skipped: one block as without a mask.
         let nvec = mp / w;
+        let jd = match a.causal {
+            Some(off) if nvec > 1 => {
+                ((a.row0 as isize + off + 1).max(0) as usize).clamp(kmin, kmax)
+            }
+            _ => kmax,
+        };
         let mut j0 = kmin;
         let mut first = true;
         while j0 < kmax {
