@@ -1,10 +1,12 @@
 //! Decode attention: a few query rows (new tokens × the query heads sharing one KV head) against a
 //! range of a long key/value cache.
 //!
-//! The shape is memory-bound, so the kernel is built to read each K and V row exactly once, whole
-//! and contiguously, for all the rows of the group (GQA grouping): lanes run along the head
-//! dimension, a key's score for every row is a dot product reduced once, and `O += p·V` keeps one
-//! accumulator per row in registers while a V row chunk is loaded once. The result is a *partial*
+//! The shape is memory-bound, so the kernel is built to read each K and V row exactly once for all
+//! the rows of the group (GQA grouping): lanes run along the head dimension; the scores of KEYS
+//! keys × R rows are dot products reduced together by one transposed reduction; `O += p·V` keeps
+//! one accumulator per row and chunk in registers while a V row chunk is loaded once. Walking
+//! several K rows at once hides them from the hardware prefetchers, so those rows are prefetched
+//! in software, a few lines at a time, ahead of use. The result is a *partial*
 //! `(m, l, O)` (base-2 running max, sum, unnormalised output) for the key range, so a long cache
 //! can be cut into chunks processed in parallel and merged exactly ([`merge_partials`]).
 
@@ -81,7 +83,8 @@ fn prefetch(p: *const f32) {
 
 /// A cursor over the cache lines of `rows` rows of `n` floats (stride `ld`), requested a few at a
 /// time in address order, so the prefetches of a key group are spread over its compute loop
-/// (a burst of them overflows the miss queues and gets dropped).
+/// (measured: sent in one burst per group, or as straight-line code, they were slower from DRAM;
+/// perhaps the miss queues overflow and drop them).
 struct Lines {
     p: *const f32,
     ld: usize,
