@@ -2,8 +2,10 @@
 //!
 //! Decode streams the whole KV cache once per token. With 4 KiB pages every 4 KiB of a stream is
 //! a new TLB entry — in a VM a two-level page walk — and the hardware prefetchers stop at each
-//! page boundary. Measured on the 2-vCPU Zen 4 VM (`BENCHMARKS.md`, decode): 256 MiB read
-//! sequentially at ≈ 20 GB/s on 4 KiB pages and ≈ 29 GB/s on 2 MiB pages. Linux backs memory with
+//! page boundary. Measured on the 2-vCPU Zen 4 VM, one thread: the plain read loop of
+//! `examples/read_bandwidth.rs` gains ≈ 10 % (25–28 → 29.5 GB/s), a probe reading K and V in
+//! alternating 16 KiB blocks as decode does ≈ 20 → 29 GB/s, and decode itself 0–30 %
+//! (`BENCHMARKS.md`). Linux backs memory with
 //! huge pages only where `madvise(MADV_HUGEPAGE)` asked for them when THP is in `madvise` mode
 //! (the common default), so the library asks for its own buffers and offers the call to callers.
 
@@ -13,7 +15,8 @@
 /// before the memory is first written (`vec![0.0; n]` of a large `n` maps untouched zero pages,
 /// so that works); memory already touched keeps its small pages until the kernel's background
 /// collapse gets to it. The contents are unchanged. Returns whether the advice was accepted
-/// (false on other systems, for buffers smaller than 2 MiB, or where THP is disabled).
+/// (false on other systems, for buffers without a whole 2 MiB-aligned interior, or when the
+/// kernel refuses the advice).
 ///
 /// ```
 /// let mut keys = vec![0.0f32; 16 << 20]; // 64 MiB
