@@ -221,12 +221,10 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
             j0 += nb;
         }
 
-        // Oᵀ → O, each row scaled by 1/l. A row that saw no key (l = 0) gives zeros and
-        // lse = −inf; with no key block at all, Oᵀ was never written and is not read.
-        // 1/l a register at a time (l = 0 gives inf here; those rows are overwritten below).
-        if first {
-            tmp.fill(0.0);
-        } else {
+        // Oᵀ → O, each row scaled by 1/l, computed a register at a time. A row that saw no key
+        // (l = 0; every row when no key block ran, and then Oᵀ was never written) gives zeros
+        // and lse = −inf: its 1/l is inf here and its output row is overwritten below.
+        if !first {
             let one = S::splat(1.0);
             for c in (0..mp).step_by(S::W) {
                 S::store(
@@ -237,7 +235,7 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
             transpose_scaled::<S>(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
         }
         for (r, &l) in lrow[..m].iter().enumerate() {
-            if first || l == 0.0 {
+            if l == 0.0 {
                 // Exactly zero even if V held inf/NaN (0·NaN would not be).
                 core::slice::from_raw_parts_mut(a.o.add(r * a.ldo), dv).fill(0.0);
             }
