@@ -4,19 +4,31 @@
 //! The shape is memory-bound, so the kernel is built to read each K and V row exactly once for all
 //! the rows of the group (GQA grouping): lanes run along the head dimension; the scores of KEYS
 //! keys × R rows are dot products reduced together by one transposed reduction; `O += p·V` keeps
-//! one accumulator per row and chunk in registers while a V row chunk is loaded once. Walking
-//! several K rows at once hides them from the hardware prefetchers, so those rows are prefetched
-//! in software, a few lines at a time, ahead of use. The result is a *partial*
-//! `(m, l, O)` (base-2 running max, sum, unnormalised output) for the key range, so a long cache
-//! can be cut into chunks processed in parallel and merged exactly ([`merge_partials`]).
+//! one accumulator per row and chunk in registers while a V row chunk is loaded once.
+//!
+//! How K and V are walked decides the speed, since the hardware prefetchers follow only simple
+//! streams. Two walks are used, chosen per (R, vector width) by measurement:
+//! - *key-major*: each K row and each V row is read start to end, and K and V advance together
+//!   in sub-blocks of 8 keys (see [`decode_rows`]); no software prefetch;
+//! - *chunk-major*: a lane chunk of KEYS rows at a time, so each Q chunk load serves KEYS keys
+//!   (fewer loads when R is large); walking rows side by side hides them from the prefetchers,
+//!   so those rows are prefetched in software, a few lines at a time, ahead of use.
+//!
+//! The result is a *partial* `(m, l, O)` (base-2 running max, sum, unnormalised output) for the
+//! key range, so a long cache can be cut into chunks processed in parallel and merged exactly
+//! ([`merge_partials`]).
 
 use crate::simd::{exp2, Simd};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 
-/// Keys per block of the decode loop: one block of K and V rows stays in L1.
+/// Keys per block of the decode loop (one online-softmax step): a block of K and V rows stays in
+/// L1.
 pub const DECODE_KEY_BLOCK: usize = 32;
-/// Software prefetch distance of the decode loop, in keys. Measured (B1 H32 Hkv8 D128, Lk 32768,
+/// Keys per sub-block of the key-major walk, rounded up to whole score groups (4 KiB of K at
+/// D = 128). Measured (R = 4, DRAM): 4 keys 52 ns per key, 8 keys 47, 16 keys 52.
+const SUB_KEYS: usize = 8;
+/// Software prefetch distance of the chunk-major walk, in keys. Measured (B1 H32 Hkv8 D128, Lk 32768,
 /// huge pages, 1 thread, medians of 3): 3 keys 12.1 GB/s, 5: 16.2, 8: 18.4, 12: 18.9, 16–48:
 /// slowly down again; T1 and T2 hints alike, NTA and T0 worse; no prefetch about half.
 const PF: usize = 12;
@@ -72,7 +84,7 @@ pub const fn partial_len(dv: usize) -> usize {
 /// Scratch floats [`crate::decode_partial`] needs.
 pub fn decode_scratch_len(d: usize, dv: usize) -> usize {
     let r = DECODE_MAX_ROWS;
-    r * d.div_ceil(16) * 16 + r * dv.div_ceil(16) * 16 + r * DECODE_KEY_BLOCK
+    r * d.div_ceil(16) * 16 + r * dv.div_ceil(16) * 16 + 2 * r * DECODE_KEY_BLOCK
 }
 
 /// Requests the cache line holding `p` (a prefetch never faults, so `p` may be anywhere).
@@ -126,14 +138,29 @@ impl Lines {
     }
 }
 
-/// The decode kernel for `R` rows.
+/// The decode kernel for `R` rows: scores in groups of `KEYS` keys, walked key-major (`KM`) or
+/// chunk-major, and `O += P·V` in passes of `RG` rows × `NC` lane chunks.
+///
+/// Key-major: K and V are two sequential streams, and they advance together: the scores of key
+/// block `b` are computed in sub-blocks of [`SUB_KEYS`] keys, each followed by `P·V` for the same
+/// keys of block `b − 1`, whose softmax weights are ready (two score buffers). With a whole
+/// block of K read and then a whole block of V, each stream idles half the time and the
+/// prefetchers fall behind. Chunk-major: scores, softmax and `P·V` of a block in turn, with
+/// software prefetch.
 ///
 /// # Safety
 /// Pointers in `args` valid for the extents they describe (K/V rows `< j_end`, `d`/`dv` columns;
 /// bias/mask entries `< j_end`); `partial` writable at `r*ldp + [0, dv+2)` for each row;
 /// `scratch.len() ≥ decode_scratch_len(d, dv)`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn decode_rows<S: Simd, const R: usize, const KEYS: usize, const NC: usize>(
+unsafe fn decode_rows<
+    S: Simd,
+    const R: usize,
+    const KEYS: usize,
+    const KM: bool,
+    const RG: usize,
+    const NC: usize,
+>(
     a: &DecodeArgs,
     partial: *mut f32,
     ldp: usize,
@@ -144,16 +171,23 @@ unsafe fn decode_rows<S: Simd, const R: usize, const KEYS: usize, const NC: usiz
     let dp = d.div_ceil(w) * w;
     let dvp = dv.div_ceil(w) * w;
     const KB: usize = DECODE_KEY_BLOCK;
+    let sub = if KM {
+        KEYS * SUB_KEYS.div_ceil(KEYS)
+    } else {
+        KB
+    };
     let (qbuf, rest) = scratch.split_at_mut(R * dp);
     let (obuf, rest) = rest.split_at_mut(R * dvp);
-    let sbuf = &mut rest[..R * KB];
+    let (s_even, rest) = rest.split_at_mut(R * KB);
+    let s_odd = &mut rest[..R * KB];
+    let mut sb = [s_even, s_odd];
     let rows = &a.rows[..R];
-    let mut m = [f32::NEG_INFINITY; R];
-    let mut l = [0.0f32; R];
+    let mut st = RowState {
+        m: [f32::NEG_INFINITY; R],
+        l: [0.0f32; R],
+    };
     let qscale = a.scale * LOG2E;
-    let (dfull, dvfull) = (d / w * w, dv / w * w);
     assert!(R * KEYS <= w, "decode: R·KEYS exceeds the lanes");
-    let mut sums = [0.0f32; 16];
 
     // SAFETY: (whole body) all accesses are inside the extents of the contract above; scratch
     // slices were split to their sizes; `dp`, `dvp`, `KB` are lane multiples.
@@ -167,178 +201,390 @@ unsafe fn decode_rows<S: Simd, const R: usize, const KEYS: usize, const NC: usiz
         }
         let jlo = rows.iter().map(|r| r.lo).min().unwrap_or(0).max(a.j_begin);
         let jhi = rows.iter().map(|r| r.hi).max().unwrap_or(0).min(a.j_end);
+        // The block whose weights are ready and whose P·V is still to do: (first key, keys).
+        let mut prev: Option<(usize, usize)> = None;
         let mut jb = jlo;
-        while jb < jhi {
-            let nk = KB.min(jhi - jb);
-            // Scores: KEYS keys × R rows of dot products at a time, so each K chunk load serves
-            // R rows and each Q chunk load serves KEYS keys (R·KEYS ≤ W independent chains), then
-            // one transposed reduction turns the R·KEYS accumulators into one register of scores.
-            let mut jj = 0;
-            while jj < nk {
-                let live = KEYS.min(nk - jj);
-                // A short last group repeats its last key (computed, not stored).
-                let mut kp = [a.k; KEYS];
-                for (k, p) in kp.iter_mut().enumerate() {
-                    *p = a.k.add((jb + jj + k.min(live - 1)) * a.ldk);
+        let mut cur = 0;
+        while jb < jhi || prev.is_some() {
+            let nk = if jb < jhi { KB.min(jhi - jb) } else { 0 };
+            let [s0, s1] = &mut sb;
+            let (scur, sprev) = if cur == 0 { (s0, &*s1) } else { (s1, &*s0) };
+            let pn = prev.map_or(0, |(_, n)| n);
+            let mut k0 = 0;
+            while k0 < nk.max(pn) {
+                if k0 < nk {
+                    let k1 = nk.min(k0 + sub);
+                    scores::<S, R, KEYS, KM>(a, qbuf.as_ptr(), dp, jb, k0, k1, scur.as_mut_ptr());
                 }
-                // Walking KEYS rows side by side defeats the hardware stream prefetchers (each
-                // row is a short stream; measured: half the bandwidth), so the K and V rows PF
-                // keys ahead are requested explicitly, in address order.
-                let jp = jb + jj + PF;
-                let npf = if KEYS > 1 && jp < a.j_end {
-                    KEYS.min(a.j_end - jp)
-                } else {
-                    0
-                };
-                let mut kpf = Lines::new(a.k.wrapping_add(jp * a.ldk), a.ldk, d, npf);
-                let mut vpf = Lines::new(a.v.wrapping_add(jp * a.ldv), a.ldv, dv, npf);
-                let per_k = kpf.total().div_ceil((dfull / w).max(1));
-                let per_v = vpf.total().div_ceil((dfull / w).max(1));
-                let mut acc = [[S::splat(0.0); KEYS]; R];
-                let mut c = 0;
-                while c < dfull {
-                    kpf.next(per_k);
-                    vpf.next(per_v);
-                    let mut kv = [S::splat(0.0); KEYS];
-                    for (x, p) in kv.iter_mut().zip(kp) {
-                        *x = S::load(p.add(c));
-                    }
-                    for (r, accr) in acc.iter_mut().enumerate() {
-                        let q = S::load(qbuf.as_ptr().add(r * dp + c));
-                        for k in 0..KEYS {
-                            accr[k] = S::fma(q, kv[k], accr[k]);
-                        }
-                    }
-                    c += w;
+                if let Some((pj, pn)) = prev.filter(|&(_, n)| k0 < n) {
+                    let k1 = pn.min(k0 + sub);
+                    pv_block::<S, R, RG, NC>(a, pj, k0, k1, sprev, obuf, dvp);
                 }
-                kpf.next(usize::MAX);
-                vpf.next(usize::MAX);
-                let mut regs = [S::splat(0.0); 16];
-                for r in 0..R {
-                    for k in 0..KEYS {
-                        regs[r * KEYS + k] = acc[r][k];
-                    }
-                }
-                S::store(sums.as_mut_ptr(), S::hsums(&regs[..w]));
-                for r in 0..R {
-                    for k in 0..live {
-                        let mut s = sums[r * KEYS + k];
-                        for p in dfull..d {
-                            s += qbuf[r * dp + p] * *kp[k].add(p);
-                        }
-                        sbuf[r * KB + jj + k] = s;
-                    }
-                }
-                jj += KEYS;
+                k0 += sub;
             }
-            // Masks, then the online-softmax step per row.
-            for (r, row) in rows.iter().enumerate() {
-                let srow = &mut sbuf[r * KB..(r + 1) * KB];
-                // Most blocks lie inside the row's visible range with no mask: skip the loop.
-                let inside = jb >= row.lo && jb + nk <= row.hi;
-                if !(inside && row.mask.is_null() && row.bias.is_null()) {
-                    for (jj, x) in srow[..nk].iter_mut().enumerate() {
-                        let j = jb + jj;
-                        if j < row.lo || j >= row.hi || (!row.mask.is_null() && !*row.mask.add(j)) {
-                            *x = f32::NEG_INFINITY;
-                        } else if !row.bias.is_null() {
-                            *x += *row.bias.add(j) * LOG2E;
-                        }
-                    }
-                }
-                srow[nk..].fill(f32::NEG_INFINITY);
-                let mut mx = S::splat(f32::NEG_INFINITY);
-                for c in (0..KB).step_by(w) {
-                    mx = S::max(mx, S::load(srow.as_ptr().add(c)));
-                }
-                let blk = S::hmax(mx);
-                let m_new = if blk > m[r] || blk.is_nan() {
-                    blk
+            if nk > 0 {
+                // Every P·V of the previous block is done: now the rescale may touch O.
+                softmax_block::<S, R>(rows, jb, nk, scur, obuf, dvp, &mut st);
+                if KM {
+                    prev = Some((jb, nk));
+                    cur ^= 1;
                 } else {
-                    m[r]
-                };
-                // Exponentiate against a finite stand-in while nothing is visible (see flash.rs).
-                let m_use = if m_new == f32::NEG_INFINITY {
-                    -f32::MAX
-                } else {
-                    m_new
-                };
-                let al = (m[r] - m_use).exp2();
-                let mu = S::splat(m_use);
-                let mut sum = S::splat(0.0);
-                for c in (0..KB).step_by(w) {
-                    let e = exp2::<S>(S::sub(S::load(srow.as_ptr().add(c)), mu));
-                    S::store(srow.as_mut_ptr().add(c), e);
-                    sum = S::add(sum, e);
+                    // Chunk-major groups read V right away, as their prefetches expect.
+                    pv_block::<S, R, RG, NC>(a, jb, 0, nk, scur, obuf, dvp);
                 }
-                l[r] = l[r] * al + S::hsum(sum);
-                if al != 1.0 {
-                    let av = S::splat(al);
-                    for c in (0..dvp).step_by(w) {
-                        let p = obuf.as_mut_ptr().add(r * dvp + c);
-                        S::store(p, S::mul(S::load(p), av));
-                    }
-                }
-                m[r] = m_new;
-            }
-            // O += P·V, NC lane-chunks of V per pass: R·NC independent accumulators hide the
-            // FMA latency, and each V row chunk is loaded once for all rows.
-            let mut c = 0;
-            while c < dvfull {
-                let nc = NC.min((dvfull - c) / w);
-                let mut acc = [[S::splat(0.0); NC]; R];
-                for r in 0..R {
-                    for (cb, x) in acc[r].iter_mut().enumerate().take(nc) {
-                        *x = S::load(obuf.as_ptr().add(r * dvp + c + cb * w));
-                    }
-                }
-                // Full passes run a branch-free body; only the last pass of a row is shorter.
-                let full_pass = nc == NC;
-                for jj in 0..nk {
-                    let vrow = a.v.add((jb + jj) * a.ldv + c);
-                    let mut pr = [S::splat(0.0); R];
-                    for r in 0..R {
-                        pr[r] = S::splat(sbuf[r * KB + jj]);
-                    }
-                    if full_pass {
-                        for cb in 0..NC {
-                            let vv = S::load(vrow.add(cb * w));
-                            for r in 0..R {
-                                acc[r][cb] = S::fma(pr[r], vv, acc[r][cb]);
-                            }
-                        }
-                    } else {
-                        for cb in 0..nc {
-                            let vv = S::load(vrow.add(cb * w));
-                            for r in 0..R {
-                                acc[r][cb] = S::fma(pr[r], vv, acc[r][cb]);
-                            }
-                        }
-                    }
-                }
-                for r in 0..R {
-                    for (cb, x) in acc[r].iter().enumerate().take(nc) {
-                        S::store(obuf.as_mut_ptr().add(r * dvp + c + cb * w), *x);
-                    }
-                }
-                c += nc * w;
-            }
-            for jj in 0..nk {
-                let vp = a.v.add((jb + jj) * a.ldv);
-                for r in 0..R {
-                    let p = sbuf[r * KB + jj];
-                    for c in dvfull..dv {
-                        obuf[r * dvp + c] += p * *vp.add(c);
-                    }
-                }
+            } else {
+                prev = None;
             }
             jb += nk;
         }
         for r in 0..R {
             let out = partial.add(r * ldp);
-            *out = m[r];
-            *out.add(1) = l[r];
+            *out = st.m[r];
+            *out.add(1) = st.l[r];
             core::ptr::copy_nonoverlapping(obuf.as_ptr().add(r * dvp), out.add(2), dv);
+        }
+    }
+}
+
+/// `O += P·V` for keys `jb + [k0, k1)` of one block, in passes of RG rows.
+///
+/// # Safety
+/// As [`decode_rows`]; `p` holds the block's weights (R rows of [`DECODE_KEY_BLOCK`]), `o` R
+/// rows of `dvp` floats.
+#[inline(always)]
+unsafe fn pv_block<S: Simd, const R: usize, const RG: usize, const NC: usize>(
+    a: &DecodeArgs,
+    jb: usize,
+    k0: usize,
+    k1: usize,
+    p: &[f32],
+    o: &mut [f32],
+    dvp: usize,
+) {
+    const KB: usize = DECODE_KEY_BLOCK;
+    let blk = PvBlock {
+        // SAFETY: key `jb + k0` lies in the range the contract covers.
+        v: unsafe { a.v.add((jb + k0) * a.ldv) },
+        ldv: a.ldv,
+        dv: a.dv,
+        dvp,
+        nk: k1 - k0,
+    };
+    let mut r0 = 0;
+    // SAFETY: row groups stay inside the R rows of `p` and `o`.
+    unsafe {
+        while r0 + RG <= R {
+            let (pp, op) = (p.as_ptr().add(r0 * KB + k0), o.as_mut_ptr().add(r0 * dvp));
+            pv_rows::<S, RG, NC>(&blk, pp, op);
+            r0 += RG;
+        }
+        let (pp, op) = (p.as_ptr().add(r0 * KB + k0), o.as_mut_ptr().add(r0 * dvp));
+        match R - r0 {
+            1 => pv_rows::<S, 1, NC>(&blk, pp, op),
+            2 => pv_rows::<S, 2, NC>(&blk, pp, op),
+            3 => pv_rows::<S, 3, NC>(&blk, pp, op),
+            _ => {}
+        }
+    }
+}
+
+/// Running (base-2) max and sum per row.
+struct RowState<const R: usize> {
+    m: [f32; R],
+    l: [f32; R],
+}
+
+/// Scores of keys `jb + [k0, k1)` for `R` rows into `s[r*KB + k]`: groups of KEYS keys × R rows
+/// of dot products, each K chunk load serving R rows (Q comes from L1); one transposed reduction
+/// turns the R·KEYS sums into one register of scores.
+///
+/// # Safety
+/// As [`decode_rows`]; `q` holds R rows of `dp` scaled query values; `s` writable for R rows of
+/// [`DECODE_KEY_BLOCK`]; `k1 ≤ DECODE_KEY_BLOCK`.
+#[inline(always)]
+unsafe fn scores<S: Simd, const R: usize, const KEYS: usize, const KM: bool>(
+    a: &DecodeArgs,
+    q: *const f32,
+    dp: usize,
+    jb: usize,
+    k0: usize,
+    k1: usize,
+    s: *mut f32,
+) {
+    const KB: usize = DECODE_KEY_BLOCK;
+    let w = S::W;
+    let d = a.d;
+    let dfull = d / w * w;
+    let mut sums = [0.0f32; 16];
+    // SAFETY: every access stays within the extents of the contract.
+    unsafe {
+        let mut jj = k0;
+        while jj < k1 {
+            let live = KEYS.min(k1 - jj);
+            let mut kp = [a.k; KEYS];
+            for (k, p) in kp.iter_mut().enumerate() {
+                // A short last group repeats its last key (computed, not stored).
+                *p = a.k.add((jb + jj + k.min(live - 1)) * a.ldk);
+            }
+            let acc = if KM {
+                dots_key_major::<S, R, KEYS>(kp, q, dp, dfull)
+            } else {
+                // Walking KEYS rows side by side hides K from the hardware prefetchers, so the
+                // K and V rows PF keys ahead are requested explicitly, in address order.
+                let jp = jb + jj + PF;
+                // One-key groups keep the sequential walk, which needs no help.
+                let npf = if KEYS > 1 && jp < a.j_end {
+                    KEYS.min(a.j_end - jp)
+                } else {
+                    0
+                };
+                let kpf = Lines::new(a.k.wrapping_add(jp * a.ldk), a.ldk, d, npf);
+                let vpf = Lines::new(a.v.wrapping_add(jp * a.ldv), a.ldv, a.dv, npf);
+                dots_chunk_major::<S, R, KEYS>(kp, q, dp, dfull, kpf, vpf)
+            };
+            let mut regs = [S::splat(0.0); 16];
+            for r in 0..R {
+                for k in 0..KEYS {
+                    regs[r * KEYS + k] = acc[r][k];
+                }
+            }
+            S::store(sums.as_mut_ptr(), S::hsums(&regs[..w]));
+            for r in 0..R {
+                for k in 0..live {
+                    let kp = a.k.add((jb + jj + k) * a.ldk);
+                    let mut x = sums[r * KEYS + k];
+                    for p in dfull..d {
+                        x += *q.add(r * dp + p) * *kp.add(p);
+                    }
+                    *s.add(r * KB + jj + k) = x;
+                }
+            }
+            jj += KEYS;
+        }
+    }
+}
+
+/// `R × KEYS` dot products over the first `dfull` (a lane multiple) columns, each key's row
+/// read start to end, so K stays one sequential stream for the hardware prefetchers; Q comes
+/// from L1.
+///
+/// # Safety
+/// `kp[k]` readable for `dfull` floats; `q` for R rows of stride `dp`; the ISA of `S` is enabled.
+#[inline(always)]
+unsafe fn dots_key_major<S: Simd, const R: usize, const KEYS: usize>(
+    kp: [*const f32; KEYS],
+    q: *const f32,
+    dp: usize,
+    dfull: usize,
+) -> [[S::V; KEYS]; R] {
+    let w = S::W;
+    // SAFETY: every access stays within the extents of the contract.
+    unsafe {
+        let mut acc = [[S::splat(0.0); KEYS]; R];
+        for (k, &p) in kp.iter().enumerate() {
+            let mut c = 0;
+            while c < dfull {
+                let kv = S::load(p.add(c));
+                for (r, accr) in acc.iter_mut().enumerate() {
+                    accr[k] = S::fma(S::load(q.add(r * dp + c)), kv, accr[k]);
+                }
+                c += w;
+            }
+        }
+        acc
+    }
+}
+
+/// `R × KEYS` dot products, chunk by chunk across the KEYS rows, so each Q chunk load serves
+/// KEYS keys (fewer loads when R is large); the lines `kpf`, `vpf` are requested along the way.
+///
+/// # Safety
+/// As [`dots_key_major`].
+#[inline(always)]
+unsafe fn dots_chunk_major<S: Simd, const R: usize, const KEYS: usize>(
+    kp: [*const f32; KEYS],
+    q: *const f32,
+    dp: usize,
+    dfull: usize,
+    mut kpf: Lines,
+    mut vpf: Lines,
+) -> [[S::V; KEYS]; R] {
+    let w = S::W;
+    let per_k = kpf.total().div_ceil((dfull / w).max(1));
+    let per_v = vpf.total().div_ceil((dfull / w).max(1));
+    // SAFETY: every access stays within the extents of the contract.
+    unsafe {
+        let mut acc = [[S::splat(0.0); KEYS]; R];
+        let mut c = 0;
+        while c < dfull {
+            kpf.next(per_k);
+            vpf.next(per_v);
+            let mut kv = [S::splat(0.0); KEYS];
+            for (x, p) in kv.iter_mut().zip(kp) {
+                *x = S::load(p.add(c));
+            }
+            for (r, accr) in acc.iter_mut().enumerate() {
+                let qv = S::load(q.add(r * dp + c));
+                for k in 0..KEYS {
+                    accr[k] = S::fma(qv, kv[k], accr[k]);
+                }
+            }
+            c += w;
+        }
+        kpf.next(usize::MAX);
+        vpf.next(usize::MAX);
+        acc
+    }
+}
+
+/// Masks the scores of keys `jb + [0, nk)`, then the online-softmax step per row: the scores
+/// become weights `2^(s − m)`, `l` and `m` are updated and the rows of O rescaled.
+///
+/// # Safety
+/// Row bias/mask pointers valid for keys `< jb + nk`; the ISA of `S` is enabled.
+#[inline(always)]
+unsafe fn softmax_block<S: Simd, const R: usize>(
+    rows: &[DecodeRow],
+    jb: usize,
+    nk: usize,
+    sbuf: &mut [f32],
+    obuf: &mut [f32],
+    dvp: usize,
+    st: &mut RowState<R>,
+) {
+    const KB: usize = DECODE_KEY_BLOCK;
+    let w = S::W;
+    // SAFETY: every access stays within the extents of the contract; KB and dvp are lane
+    // multiples.
+    unsafe {
+        for (r, row) in rows.iter().enumerate().take(R) {
+            let srow = &mut sbuf[r * KB..(r + 1) * KB];
+            // Most blocks lie inside the row's visible range with no mask: skip the loop.
+            let inside = jb >= row.lo && jb + nk <= row.hi;
+            if !(inside && row.mask.is_null() && row.bias.is_null()) {
+                for (jj, x) in srow[..nk].iter_mut().enumerate() {
+                    let j = jb + jj;
+                    if j < row.lo || j >= row.hi || (!row.mask.is_null() && !*row.mask.add(j)) {
+                        *x = f32::NEG_INFINITY;
+                    } else if !row.bias.is_null() {
+                        *x += *row.bias.add(j) * LOG2E;
+                    }
+                }
+            }
+            srow[nk..].fill(f32::NEG_INFINITY);
+            let mut mx = S::splat(f32::NEG_INFINITY);
+            for c in (0..KB).step_by(w) {
+                mx = S::max(mx, S::load(srow.as_ptr().add(c)));
+            }
+            let blk = S::hmax(mx);
+            let m_old = st.m[r];
+            let m_new = if blk > m_old || blk.is_nan() {
+                blk
+            } else {
+                m_old
+            };
+            // Exponentiate against a finite stand-in while nothing is visible (see flash.rs).
+            let m_use = if m_new == f32::NEG_INFINITY {
+                -f32::MAX
+            } else {
+                m_new
+            };
+            let al = (m_old - m_use).exp2();
+            let mu = S::splat(m_use);
+            let mut sum = S::splat(0.0);
+            for c in (0..KB).step_by(w) {
+                let e = exp2::<S>(S::sub(S::load(srow.as_ptr().add(c)), mu));
+                S::store(srow.as_mut_ptr().add(c), e);
+                sum = S::add(sum, e);
+            }
+            st.l[r] = st.l[r] * al + S::hsum(sum);
+            if al != 1.0 {
+                let av = S::splat(al);
+                for c in (0..dvp).step_by(w) {
+                    let p = obuf.as_mut_ptr().add(r * dvp + c);
+                    S::store(p, S::mul(S::load(p), av));
+                }
+            }
+            st.m[r] = m_new;
+        }
+    }
+}
+
+/// One key block of V for [`pv_rows`]: rows `v + jj*ldv`, `jj < nk`.
+struct PvBlock {
+    v: *const f32,
+    ldv: usize,
+    dv: usize,
+    dvp: usize,
+    nk: usize,
+}
+
+/// `O[g] += Σ_jj P[g][jj]·V[jj]` for `G` rows: `P` rows at `p + g*KB`, `O` rows at `o + g*dvp`,
+/// NC lane chunks per pass, so G·NC independent accumulators hide the FMA latency and each V
+/// chunk load serves every row.
+///
+/// # Safety
+/// `blk` describes readable V rows; `p` readable for `G` rows of `nk` weights (stride
+/// [`DECODE_KEY_BLOCK`]); `o` writable for `G` rows of `dvp` floats; the ISA of `S` is enabled.
+#[inline(always)]
+unsafe fn pv_rows<S: Simd, const G: usize, const NC: usize>(
+    blk: &PvBlock,
+    p: *const f32,
+    o: *mut f32,
+) {
+    const KB: usize = DECODE_KEY_BLOCK;
+    let w = S::W;
+    let dvfull = blk.dv / w * w;
+    // SAFETY: every access stays within the extents of the contract.
+    unsafe {
+        let mut c = 0;
+        while c < dvfull {
+            let nc = NC.min((dvfull - c) / w);
+            let mut acc = [[S::splat(0.0); NC]; G];
+            for g in 0..G {
+                for (cb, x) in acc[g].iter_mut().enumerate().take(nc) {
+                    *x = S::load(o.add(g * blk.dvp + c + cb * w));
+                }
+            }
+            // Full passes run a branch-free body; only the last pass of a row is shorter.
+            let full_pass = nc == NC;
+            for jj in 0..blk.nk {
+                let vrow = blk.v.add(jj * blk.ldv + c);
+                let mut pr = [S::splat(0.0); G];
+                for g in 0..G {
+                    pr[g] = S::splat(*p.add(g * KB + jj));
+                }
+                if full_pass {
+                    for cb in 0..NC {
+                        let vv = S::load(vrow.add(cb * w));
+                        for g in 0..G {
+                            acc[g][cb] = S::fma(pr[g], vv, acc[g][cb]);
+                        }
+                    }
+                } else {
+                    for cb in 0..nc {
+                        let vv = S::load(vrow.add(cb * w));
+                        for g in 0..G {
+                            acc[g][cb] = S::fma(pr[g], vv, acc[g][cb]);
+                        }
+                    }
+                }
+            }
+            for g in 0..G {
+                for (cb, x) in acc[g].iter().enumerate().take(nc) {
+                    S::store(o.add(g * blk.dvp + c + cb * w), *x);
+                }
+            }
+            c += nc * w;
+        }
+        for jj in 0..blk.nk {
+            let vp = blk.v.add(jj * blk.ldv);
+            for g in 0..G {
+                let pw = *p.add(g * KB + jj);
+                for c in dvfull..blk.dv {
+                    *o.add(g * blk.dvp + c) += pw * *vp.add(c);
+                }
+            }
         }
     }
 }
@@ -364,29 +610,38 @@ pub(crate) unsafe fn decode<S: Simd>(
         // SAFETY: forwarded contract; the row subset and its partial rows stay in bounds.
         unsafe {
             let p = partial.add(r0 * ldp);
-            // KEYS: keys per score group (R·KEYS ≤ W accumulators, plus KEYS K registers);
-            // NC: V chunks per P·V pass (R·NC accumulators). Sized for 32 registers at W = 16
-            // and 16 registers at W = 8.
             macro_rules! run {
-                ($r:literal, $k16:literal, $nc16:literal, $k8:literal, $nc8:literal) => {
+                ($r:literal, $w16:tt, $w8:tt) => {
                     if S::W == 16 {
-                        decode_rows::<S, $r, $k16, $nc16>(&sub, p, ldp, scratch)
+                        run!(@ $r, $w16)
                     } else {
-                        decode_rows::<S, $r, $k8, $nc8>(&sub, p, ldp, scratch)
+                        run!(@ $r, $w8)
                     }
                 };
+                (@ $r:literal, ($k:literal, $km:literal, $rg:literal, $nc:literal)) => {
+                    decode_rows::<S, $r, $k, $km, $rg, $nc>(&sub, p, ldp, scratch)
+                };
             }
+            // (KEYS, key-major walk, RG, NC), for W = 16 (32 registers) and W = 8 (16):
+            // KEYS keys per score group (R·KEYS ≤ W accumulators); P·V in passes of RG rows ×
+            // NC lane chunks (RG·NC accumulators).
+            // - One row: one key at a time keeps K a single sequential stream, which the
+            //   hardware prefetchers follow (chunk-major with KEYS = 1 sends no prefetches).
+            // - The key-major walk pays for R = 4 at W = 16, where both rows of P·V take a
+            //   whole V row (attnbench, B1 H32 Hkv8 D128 Lk 32768, one thread, medians of 5:
+            //   14.7 → 19.2 GB/s, huge pages 16.8 → 20.4). Elsewhere the chunk-major walk was
+            //   as fast or faster (probe from DRAM, ns per key: R = 8 72 against 83; W = 8,
+            //   R = 4 56 against 74; R = 2, 3 within noise), and the key-major speed depended
+            //   on code layout: equivalent loops once ran 20 % slower.
             match n {
-                // One row: one key at a time keeps K a single sequential stream, which the
-                // hardware prefetchers follow (measured: faster than 4 keys + software prefetch).
-                1 => run!(1, 1, 8, 1, 8),
-                2 => run!(2, 4, 8, 4, 6),
-                3 => run!(3, 4, 6, 2, 4),
-                4 => run!(4, 4, 4, 2, 2),
-                5 => run!(5, 3, 4, 1, 2),
-                6 => run!(6, 2, 3, 1, 1),
-                7 => run!(7, 2, 3, 1, 1),
-                _ => run!(8, 2, 2, 1, 1),
+                1 => run!(1, (1, false, 1, 8), (1, false, 1, 8)),
+                2 => run!(2, (4, false, 2, 8), (4, false, 2, 6)),
+                3 => run!(3, (4, false, 3, 6), (2, false, 3, 4)),
+                4 => run!(4, (4, true, 2, 8), (2, false, 4, 2)),
+                5 => run!(5, (3, false, 5, 4), (1, false, 5, 2)),
+                6 => run!(6, (2, false, 6, 3), (1, false, 6, 1)),
+                7 => run!(7, (2, false, 7, 3), (1, false, 7, 1)),
+                _ => run!(8, (2, false, 8, 2), (1, false, 8, 1)),
             }
         }
         r0 += n;
