@@ -627,19 +627,21 @@ pub(crate) unsafe fn decode<S: Simd>(
             // NC lane chunks (RG·NC accumulators).
             // - One row: one key at a time keeps K a single sequential stream, which the
             //   hardware prefetchers follow (chunk-major with KEYS = 1 sends no prefetches).
-            // - The key-major walk pays for R = 4 at W = 16, where both rows of P·V take a
-            //   whole V row (attnbench, B1 H32 Hkv8 D128 Lk 32768, one thread, medians of 5:
-            //   14.7 → 19.2 GB/s, huge pages 16.8 → 20.4). Elsewhere the chunk-major walk was
-            //   as fast or faster (probe from DRAM, ns per key: R = 8 72 against 83; W = 8,
-            //   R = 4 56 against 74; R = 2, 3 within noise), and the key-major speed depended
-            //   on code layout: equivalent loops once ran 20 % slower.
+            // - The key-major walk pays at W = 16 where the rows split into equal P·V passes
+            //   that each take a whole V row (attnbench, B1 D128 Lk 32768, one thread, KV GB/s,
+            //   medians of 3–5): R = 2 17.2 → 19.3, R = 3 17.4 → 19.2, R = 4 14.7 → 19.2 (huge
+            //   pages 16.8 → 20.4), R = 6 11.4 → 14.8. Not for R = 5 (15.9 → 14.3, or 16.2 →
+            //   16.7 in passes of 3 + 2), R = 7 (12.9 → 11.5), R = 8 (11.7 → 10.8). At W = 8
+            //   a V row needs two passes; R = 4 read a steady 12.4 GB/s key-major against
+            //   9.1–16.5 chunk-major (bimodal), so W = 8 stays as it was. The key-major speed
+            //   also depends on code layout: equivalent loops once ran 20 % slower in a probe.
             match n {
                 1 => run!(1, (1, false, 1, 8), (1, false, 1, 8)),
-                2 => run!(2, (4, false, 2, 8), (4, false, 2, 6)),
-                3 => run!(3, (4, false, 3, 6), (2, false, 3, 4)),
+                2 => run!(2, (8, true, 2, 8), (4, false, 2, 6)),
+                3 => run!(3, (4, true, 3, 8), (2, false, 3, 4)),
                 4 => run!(4, (4, true, 2, 8), (2, false, 4, 2)),
                 5 => run!(5, (3, false, 5, 4), (1, false, 5, 2)),
-                6 => run!(6, (2, false, 6, 3), (1, false, 6, 1)),
+                6 => run!(6, (2, true, 3, 8), (1, false, 6, 1)),
                 7 => run!(7, (2, false, 7, 3), (1, false, 7, 1)),
                 _ => run!(8, (2, false, 8, 2), (1, false, 8, 1)),
             }
