@@ -4,7 +4,8 @@
 //! a new TLB entry — in a VM a two-level page walk — and the hardware prefetchers stop at each
 //! page boundary. Measured on the 2-vCPU Zen 4 VM, one thread: the plain read loop of
 //! `examples/read_bandwidth.rs` gains ≈ 10 % (25–28 → 29.5 GB/s), a probe reading K and V in
-//! alternating 16 KiB blocks as decode does ≈ 20 → 29 GB/s, and decode itself 0–30 %
+//! alternating 16 KiB blocks as decode does ≈ 20 → 29 GB/s. Decode itself gained 0–30 % when
+//! this was added; in later runs +5–26 % at Lk = 8192 but the same or less at Lk = 32768
 //! (`BENCHMARKS.md`). Linux backs memory with
 //! huge pages only where `madvise(MADV_HUGEPAGE)` asked for them when THP is in `madvise` mode
 //! (the common default), so the library asks for its own buffers and offers the call to callers.
