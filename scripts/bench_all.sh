@@ -7,8 +7,10 @@
 #   scripts/bench_all.sh --update     # ... and replace the results section of BENCHMARKS.md
 #
 # Environment: OUT (results folder), THREADS (default 1,2), PRESETS (default "core decode small"),
-# AVX2 (default 1: also the core shapes with both libraries forced to AVX2),
-# CARGO_TARGET_DIR, PYTHON (default python3). Needs a quiet machine: nothing else running.
+# AVX2 (default 1: also the core shapes with both libraries forced to AVX2), ROUNDS (default 1:
+# with N > 1 every measurement is repeated N times, ours and PyTorch's in turn, and each cell
+# keeps the round with the median time; the rounds stay in OUT/rounds/), CARGO_TARGET_DIR,
+# PYTHON (default python3). Needs a quiet machine: nothing else running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +18,7 @@ OUT=${OUT:-benches/results}
 THREADS=${THREADS:-1,2}
 PRESETS=${PRESETS:-core decode small}
 PYTHON=${PYTHON:-python3}
+ROUNDS=${ROUNDS:-1}
 UPDATE=0
 [[ ${1:-} == --update ]] && UPDATE=1
 
@@ -31,6 +34,7 @@ BIN=${CARGO_TARGET_DIR:-target}/release/attnbench
 
 mkdir -p "$OUT"
 rm -f "$OUT"/*.jsonl
+rm -rf "$OUT/rounds"
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
     echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet -- . ':!benches/results' ':!BENCHMARKS.md' 2>/dev/null || echo ' (modified)')"
@@ -39,6 +43,9 @@ rm -f "$OUT"/*.jsonl
     echo "openblas: $(dpkg-query -W -f='${Version}' libopenblas0-pthread 2>/dev/null || echo 'not installed')"
     echo "torch: $($PYTHON -c 'import torch; print(torch.__version__, torch.backends.cpu.get_cpu_capability())' 2>/dev/null || echo 'not installed')"
     echo "load before the run: $(cut -d' ' -f1-3 /proc/loadavg)"
+    if [[ $ROUNDS -gt 1 ]]; then
+        echo "rounds: $ROUNDS (ours and PyTorch's in turn; each cell is the round with the median time)"
+    fi
 } > "$OUT/meta.txt"
 cat "$OUT/meta.txt" >&2
 
@@ -46,40 +53,73 @@ HAVE_TORCH=0
 $PYTHON -c 'import torch' 2>/dev/null && HAVE_TORCH=1
 [[ $HAVE_TORCH == 1 ]] || echo "bench_all: torch is not importable: no torch-sdpa column (see BENCHMARKS.md)" >&2
 
-for p in $PRESETS; do
-    echo "bench_all: attnbench --preset $p --threads $THREADS" >&2
-    "$BIN" --preset "$p" --threads "$THREADS" --json \
-        --impl fused,fused-prefill,fused-decode,unfused-mm,unfused-blas,naive > "$OUT/attnbench-$p.jsonl"
-    if [[ $HAVE_TORCH == 1 ]]; then
-        echo "bench_all: bench_torch.py --preset $p --threads $THREADS" >&2
-        $PYTHON scripts/bench_torch.py --preset "$p" --threads "$THREADS" \
-            --peak-from "$OUT/attnbench-$p.jsonl" > "$OUT/torch-$p.jsonl"
-    fi
-done
+measure() { # measure DIR: one round of every measurement, JSON lines into DIR
+    local R=$1
+    for p in $PRESETS; do
+        echo "bench_all: attnbench --preset $p --threads $THREADS" >&2
+        "$BIN" --preset "$p" --threads "$THREADS" --json \
+            --impl fused,fused-prefill,fused-decode,unfused-mm,unfused-blas,naive > "$R/attnbench-$p.jsonl"
+        if [[ $HAVE_TORCH == 1 ]]; then
+            echo "bench_all: bench_torch.py --preset $p --threads $THREADS" >&2
+            $PYTHON scripts/bench_torch.py --preset "$p" --threads "$THREADS" \
+                --peak-from "$R/attnbench-$p.jsonl" > "$R/torch-$p.jsonl"
+        fi
+    done
 
-# Decode streams K and V from memory, where page size matters on this VM (BENCHMARKS.md): run it
-# again with transparent huge pages for the inputs, ours through --huge-pages (what KvCache does)
-# and PyTorch's through its allocator switch THP_MEM_ALLOC_ENABLE=1. Rows are named NAME+thp.
-if [[ " $PRESETS " == *" decode "* ]]; then
-    echo "bench_all: attnbench --preset decode --huge-pages --threads $THREADS" >&2
-    "$BIN" --preset decode --threads "$THREADS" --json --huge-pages \
-        --impl fused,unfused-mm > "$OUT/attnbench-decode-thp.jsonl"
-    if [[ $HAVE_TORCH == 1 ]]; then
-        THP_MEM_ALLOC_ENABLE=1 $PYTHON scripts/bench_torch.py --preset decode --threads "$THREADS" \
-            --name torch-sdpa+thp --peak-from "$OUT/attnbench-decode.jsonl" > "$OUT/torch-decode-thp.jsonl"
+    # Decode streams K and V from memory, where page size matters on this VM (BENCHMARKS.md): run it
+    # again with transparent huge pages for the inputs, ours through --huge-pages (what KvCache does)
+    # and PyTorch's through its allocator switch THP_MEM_ALLOC_ENABLE=1. Rows are named NAME+thp.
+    if [[ " $PRESETS " == *" decode "* ]]; then
+        echo "bench_all: attnbench --preset decode --huge-pages --threads $THREADS" >&2
+        "$BIN" --preset decode --threads "$THREADS" --json --huge-pages \
+            --impl fused,unfused-mm > "$R/attnbench-decode-thp.jsonl"
+        if [[ $HAVE_TORCH == 1 ]]; then
+            THP_MEM_ALLOC_ENABLE=1 $PYTHON scripts/bench_torch.py --preset decode --threads "$THREADS" \
+                --name torch-sdpa+thp --peak-from "$R/attnbench-decode.jsonl" > "$R/torch-decode-thp.jsonl"
+        fi
     fi
-fi
 
-# The AVX2 path, forced, on the core shapes; PyTorch forced to AVX2 too (ATEN_CPU_CAPABILITY).
-# Rows are named NAME@avx2. AVX2=0 skips it.
-if [[ ${AVX2:-1} == 1 && " $PRESETS " == *" core "* ]]; then
-    echo "bench_all: attnbench --preset core --isa avx2 --threads $THREADS" >&2
-    "$BIN" --preset core --threads "$THREADS" --json --isa avx2 --impl fused \
-        | sed 's/"impl":"fused"/"impl":"fused@avx2"/' > "$OUT/attnbench-core-avx2.jsonl"
-    if [[ $HAVE_TORCH == 1 ]]; then
-        ATEN_CPU_CAPABILITY=avx2 $PYTHON scripts/bench_torch.py --preset core --threads "$THREADS" \
-            --name torch-sdpa@avx2 --peak-from "$OUT/attnbench-core-avx2.jsonl" > "$OUT/torch-core-avx2.jsonl"
+    # The AVX2 path, forced, on the core shapes; PyTorch forced to AVX2 too (ATEN_CPU_CAPABILITY).
+    # Rows are named NAME@avx2. AVX2=0 skips it.
+    if [[ ${AVX2:-1} == 1 && " $PRESETS " == *" core "* ]]; then
+        echo "bench_all: attnbench --preset core --isa avx2 --threads $THREADS" >&2
+        "$BIN" --preset core --threads "$THREADS" --json --isa avx2 --impl fused \
+            | sed 's/"impl":"fused"/"impl":"fused@avx2"/' > "$R/attnbench-core-avx2.jsonl"
+        if [[ $HAVE_TORCH == 1 ]]; then
+            ATEN_CPU_CAPABILITY=avx2 $PYTHON scripts/bench_torch.py --preset core --threads "$THREADS" \
+                --name torch-sdpa@avx2 --peak-from "$R/attnbench-core-avx2.jsonl" > "$R/torch-core-avx2.jsonl"
+        fi
     fi
+}
+
+if [[ $ROUNDS -le 1 ]]; then
+    measure "$OUT"
+else
+    for r in $(seq 1 "$ROUNDS"); do
+        echo "bench_all: round $r of $ROUNDS" >&2
+        mkdir -p "$OUT/rounds/$r"
+        measure "$OUT/rounds/$r"
+    done
+    # Per file and cell, keep the record of the round with the median time (the lower middle
+    # one for an even count), so every field of a row comes from one measurement.
+    $PYTHON - "$OUT" "$ROUNDS" <<'EOF'
+import json, os, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+for name in sorted(os.listdir(os.path.join(out, "rounds", "1"))):
+    cells = {}
+    for r in range(1, rounds + 1):
+        path = os.path.join(out, "rounds", str(r), name)
+        if not os.path.exists(path):
+            continue
+        for line in open(path):
+            rec = json.loads(line)
+            key = tuple(rec[k] for k in ("impl", "b", "h", "hkv", "lq", "lk", "d", "causal", "threads"))
+            cells.setdefault(key, []).append(rec)
+    with open(os.path.join(out, name), "w") as f:
+        for recs in cells.values():
+            recs.sort(key=lambda x: x["median_s"])
+            f.write(json.dumps(recs[(len(recs) - 1) // 2]) + "\n")
+EOF
 fi
 
 FROM=()
