@@ -16,23 +16,23 @@ const Q_BLOCK: usize = 96;
 /// more than it saves.
 const PAR_MIN_WORK: usize = 1 << 20;
 
-/// Whether [`Path::Auto`] picks the decode kernel for `lq` queries × `group` query heads per KV
-/// head. The decode kernel reads K and V once per group but pays a horizontal reduction per
-/// (row, key); the tiled kernel reads them once per query head and wastes lanes below 16 rows.
-/// Crossover measured with attnbench (`fused-prefill` vs `fused-decode`, H = 32, D = 128,
-/// Lk = 4096, one thread): decode wins up to Lq = 4 for any group size and up to Lq = 8 once
-/// four or more query heads share a KV head (BENCHMARKS.md, "Path choice").
-fn decode_suits(lq: usize, group: usize, lk: usize) -> bool {
-    (lq <= 4 || (lq <= 8 && group >= 4)) && lk >= lq
+/// Whether [`Path::Auto`] picks the decode kernel for `lq` queries against `lk` keys. The
+/// decode kernel reads K and V once per GQA group but pays a reduction per (row, key); the tiled
+/// kernel reads them once per query head and wastes lanes below 16 rows. Crossover measured with
+/// attnbench (`fused-prefill` vs `fused-decode`, H = 32, D = 64 and 128, Lk 512–32768, 1 and 2
+/// threads): decode wins up to Lq = 8 for every group size tried (1, 2, 4, 32; with one query
+/// head per KV head also at Lq = 12), prefill from Lq = 16 (BENCHMARKS.md, "Path choice").
+fn decode_suits(lq: usize, lk: usize) -> bool {
+    lq <= 8 && lk >= lq
 }
 
 /// The kernel [`sdpa`] will run for these logical shapes (`q (B, Hq, Lq, D)`, `k (B, Hkv, Lk, D)`)
 /// and options, without weights asked for: `opts.path` when forced, else the choice of
 /// [`Path::Auto`]. Benchmarks report it.
 pub fn choose_path(q_shape: [usize; 4], k_shape: [usize; 4], opts: &SdpaOptions) -> Path {
-    let (lq, hq, hkv, lk) = (q_shape[2], q_shape[1], k_shape[1], k_shape[2]);
+    let (lq, hkv, lk) = (q_shape[2], k_shape[1], k_shape[2]);
     match opts.path {
-        Path::Auto if hkv > 0 && decode_suits(lq, hq / hkv, lk) => Path::Decode,
+        Path::Auto if hkv > 0 && decode_suits(lq, lk) => Path::Decode,
         Path::Auto => Path::Prefill,
         p => p,
     }

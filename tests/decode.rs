@@ -378,6 +378,29 @@ fn decode_is_bitwise_identical_across_thread_counts() {
 }
 
 #[test]
+fn auto_path_follows_the_measured_crossover() {
+    use attnkit::choose_path;
+    let auto = SdpaOptions::new();
+    // (Lq, Hq, Hkv, Lk) → the kernel Path::Auto must pick (BENCHMARKS.md, "Path choice").
+    for (lq, hq, hkv, lk, want) in [
+        (1, 32, 32, 4096, Path::Decode),
+        (8, 32, 32, 4096, Path::Decode),
+        (8, 32, 8, 512, Path::Decode),
+        (9, 32, 32, 4096, Path::Prefill),
+        (16, 32, 8, 4096, Path::Prefill),
+        (8, 32, 32, 4, Path::Prefill),
+    ] {
+        let got = choose_path([1, hq, lq, 128], [1, hkv, lk, 128], &auto);
+        assert_eq!(got, want, "Lq {lq}, Hq {hq}, Hkv {hkv}, Lk {lk}");
+    }
+    let forced = SdpaOptions::new().path(Path::Prefill);
+    assert_eq!(
+        choose_path([1, 32, 1, 128], [1, 32, 4096, 128], &forced),
+        Path::Prefill
+    );
+}
+
+#[test]
 fn window_needs_causal() {
     let x = vec![0.0f32; 4];
     let t = Tensor::bhld(&x, [1, 1, 1, 4]);
