@@ -55,9 +55,9 @@ pub enum Par {
 /// Which kernel computes a call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Path {
-    /// Chosen from the shape: [`Path::Decode`] for few new queries (`Lq ≤ 8`, and `Lk ≥ Lq`)
-    /// and no weights asked for, else [`Path::Prefill`]. The threshold was measured; see
-    /// BENCHMARKS.md.
+    /// Chosen from the shape: [`Path::Decode`] for few new queries (`Lq ≤ 4`, or `Lq ≤ 8`
+    /// against at least 512 keys) and no weights asked for, else [`Path::Prefill`]. The
+    /// thresholds were measured; see BENCHMARKS.md.
     #[default]
     Auto,
     /// The tiled flash kernel: queries on the SIMD axis, parallel over (batch, head, query block).

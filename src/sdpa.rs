@@ -19,11 +19,14 @@ const PAR_MIN_WORK: usize = 1 << 20;
 /// Whether [`Path::Auto`] picks the decode kernel for `lq` queries against `lk` keys. The
 /// decode kernel reads K and V once per GQA group but pays a reduction per (row, key); the tiled
 /// kernel reads them once per query head and wastes lanes below 16 rows. Crossover measured with
-/// attnbench (`fused-prefill` vs `fused-decode`, H = 32, D = 64 and 128, Lk 512–32768, 1 and 2
-/// threads): decode wins up to Lq = 8 for every group size tried (1, 2, 4, 32; with one query
-/// head per KV head also at Lq = 12), prefill from Lq = 16 (BENCHMARKS.md, "Path choice").
+/// attnbench (`fused-prefill` vs `fused-decode`, D = 64 and 128, 1 and 2 threads, group sizes
+/// 1–32; BENCHMARKS.md, "Path choice"):
+/// - up to Lq = 4, decode wins at every Lk tried (16 to 32768);
+/// - at Lq = 8 it wins from Lk ≈ 512 on (1.0–2.2×) but can lose below (Lk = 8–64: up to 2.9×
+///   slower, the split and merge cost more than the short rows);
+/// - from Lq = 16 prefill wins or ties.
 fn decode_suits(lq: usize, lk: usize) -> bool {
-    lq <= 8 && lk >= lq
+    (lq <= 4 || (lq <= 8 && lk >= 512)) && lk >= lq
 }
 
 /// The kernel [`sdpa`] will run for these logical shapes (`q (B, Hq, Lq, D)`, `k (B, Hkv, Lk, D)`)

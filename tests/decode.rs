@@ -384,11 +384,13 @@ fn auto_path_follows_the_measured_crossover() {
     // (Lq, Hq, Hkv, Lk) → the kernel Path::Auto must pick (BENCHMARKS.md, "Path choice").
     for (lq, hq, hkv, lk, want) in [
         (1, 32, 32, 4096, Path::Decode),
+        (4, 8, 8, 16, Path::Decode),
         (8, 32, 32, 4096, Path::Decode),
         (8, 32, 8, 512, Path::Decode),
+        (8, 32, 8, 64, Path::Prefill),
         (9, 32, 32, 4096, Path::Prefill),
         (16, 32, 8, 4096, Path::Prefill),
-        (8, 32, 32, 4, Path::Prefill),
+        (4, 32, 32, 2, Path::Prefill),
     ] {
         let got = choose_path([1, hq, lq, 128], [1, hkv, lk, 128], &auto);
         assert_eq!(got, want, "Lq {lq}, Hq {hq}, Hkv {hkv}, Lk {lk}");
