@@ -18,7 +18,7 @@
 //! Nothing of size `Lq × Lk × A` (nor `Lq × Lk`, unless the caller asks for scores or weights)
 //! ever exists.
 
-use crate::simd::{exp2, tanh, Simd, SimdDiv};
+use crate::simd::{aligned, exp2, tanh, Simd, SimdDiv, ALIGN_SLACK};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 
@@ -89,7 +89,7 @@ const fn round_up(x: usize, w: usize) -> usize {
 
 /// f32 elements of scratch [`crate::additive_forward`] needs for value width `dv`.
 pub fn additive_scratch_len(dv: usize) -> usize {
-    ADDITIVE_KEY_BLOCK + round_up(dv, ADDITIVE_KEY_PAD)
+    ADDITIVE_KEY_BLOCK + round_up(dv, ADDITIVE_KEY_PAD) + ALIGN_SLACK
 }
 
 /// `max` that lets NaN win (so it propagates), as the softmax of the SDPA kernels does.
@@ -115,7 +115,7 @@ pub(crate) unsafe fn forward<S: SimdDiv>(x: &AdditiveArgs, scratch: &mut [f32]) 
         "additive scratch too short"
     );
     debug_assert!(x.key_len <= x.n, "key_len {} > n {}", x.key_len, x.n);
-    let (s, rest) = scratch.split_at_mut(ADDITIVE_KEY_BLOCK);
+    let (s, rest) = aligned(scratch).split_at_mut(ADDITIVE_KEY_BLOCK);
     let o = &mut rest[..x.dv];
     let lim = x.key_len.min(x.n);
     // SAFETY: (whole body) reads and writes stay inside the extents `x` describes and the scratch

@@ -18,7 +18,7 @@
 //! key range, so a long cache can be cut into chunks processed in parallel and merged exactly
 //! ([`merge_partials`]).
 
-use crate::simd::{exp2, Simd};
+use crate::simd::{aligned, exp2, Simd, ALIGN_SLACK};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 
@@ -84,7 +84,7 @@ pub const fn partial_len(dv: usize) -> usize {
 /// Scratch floats [`crate::decode_partial`] needs.
 pub fn decode_scratch_len(d: usize, dv: usize) -> usize {
     let r = DECODE_MAX_ROWS;
-    r * d.div_ceil(16) * 16 + r * dv.div_ceil(16) * 16 + 2 * r * DECODE_KEY_BLOCK
+    r * d.div_ceil(16) * 16 + r * dv.div_ceil(16) * 16 + 2 * r * DECODE_KEY_BLOCK + ALIGN_SLACK
 }
 
 /// Requests the cache line holding `p` (a prefetch never faults, so `p` may be anywhere).
@@ -176,7 +176,7 @@ unsafe fn decode_rows<
     } else {
         KB
     };
-    let (qbuf, rest) = scratch.split_at_mut(R * dp);
+    let (qbuf, rest) = aligned(scratch).split_at_mut(R * dp);
     let (obuf, rest) = rest.split_at_mut(R * dvp);
     let (s_even, rest) = rest.split_at_mut(R * KB);
     let s_odd = &mut rest[..R * KB];

@@ -11,7 +11,7 @@
 //! a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
 
 use crate::gemm::{Accum, Tiles};
-use crate::simd::{exp2, Simd, SimdDiv};
+use crate::simd::{aligned, exp2, Simd, SimdDiv, ALIGN_SLACK};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 const LN2: f32 = core::f32::consts::LN_2;
@@ -91,7 +91,7 @@ const fn round_up(x: usize, w: usize) -> usize {
 /// f32 elements of scratch [`crate::flash_forward`] needs for these extents (enough for every ISA).
 pub fn scratch_len(m: usize, d: usize, dv: usize) -> usize {
     let mp = round_up(m, 16);
-    d * mp + key_block(d) * mp + dv * mp + 4 * mp
+    d * mp + key_block(d) * mp + dv * mp + 4 * mp + ALIGN_SLACK
 }
 
 /// The fused kernel, generic over the vector type.
@@ -113,7 +113,8 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
         scratch.len() >= scratch_len(m, d, dv),
         "flash scratch too short"
     );
-    let (qt, rest) = scratch.split_at_mut(d * mp);
+    // Every sub-buffer is a lane multiple long, so all of them start on a cache line.
+    let (qt, rest) = aligned(scratch).split_at_mut(d * mp);
     let (st, rest) = rest.split_at_mut(nb_max * mp);
     let (ot, rest) = rest.split_at_mut(dv * mp);
     let (mrow, rest) = rest.split_at_mut(mp);
