@@ -58,7 +58,7 @@ measure() { # measure DIR: one round of every measurement, JSON lines into DIR
     for p in $PRESETS; do
         echo "bench_all: attnbench --preset $p --threads $THREADS" >&2
         "$BIN" --preset "$p" --threads "$THREADS" --json \
-            --impl fused,fused-prefill,fused-decode,unfused-mm,unfused-blas,naive > "$R/attnbench-$p.jsonl"
+            --impl fused,read-kv,fused-prefill,fused-decode,unfused-mm,unfused-blas,naive > "$R/attnbench-$p.jsonl"
         if [[ $HAVE_TORCH == 1 ]]; then
             echo "bench_all: bench_torch.py --preset $p --threads $THREADS" >&2
             $PYTHON scripts/bench_torch.py --preset "$p" --threads "$THREADS" \
@@ -72,7 +72,7 @@ measure() { # measure DIR: one round of every measurement, JSON lines into DIR
     if [[ " $PRESETS " == *" decode "* ]]; then
         echo "bench_all: attnbench --preset decode --huge-pages --threads $THREADS" >&2
         "$BIN" --preset decode --threads "$THREADS" --json --huge-pages \
-            --impl fused,unfused-mm > "$R/attnbench-decode-thp.jsonl"
+            --impl fused,read-kv,unfused-mm > "$R/attnbench-decode-thp.jsonl"
         if [[ $HAVE_TORCH == 1 ]]; then
             THP_MEM_ALLOC_ENABLE=1 $PYTHON scripts/bench_torch.py --preset decode --threads "$THREADS" \
                 --name torch-sdpa+thp --peak-from "$R/attnbench-decode.jsonl" > "$R/torch-decode-thp.jsonl"

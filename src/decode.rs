@@ -12,6 +12,7 @@ use crate::scratch::with_scratch;
 use crate::sdpa::Plan;
 use attnkit_kernels::{
     decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
+    DecodeWalk,
 };
 use std::cell::RefCell;
 
@@ -156,6 +157,7 @@ impl Plan {
                     j_begin,
                     j_end,
                     scale: self.scale,
+                    walk: DecodeWalk::Auto,
                 };
                 // SAFETY: rows, K/V and masks are in bounds for keys < j_end ≤ Lk; `dst` holds
                 // `nrows` partial rows of `pl` floats owned by this task; the ISA was checked.

@@ -4,13 +4,14 @@
 
 use crate::error::{AttnError, Result};
 use crate::options::{Causal, SdpaOptions};
+use crate::pages::AlignedBuf;
 use crate::sdpa::sdpa;
 use crate::view::{check_len, Tensor, TensorMut};
 
 /// One layer's cache. Capacity is fixed at construction: appending past it is an error, never a
-/// silent overwrite or a reallocation behind the caller's back. The buffers are allocated zeroed
-/// and advised for transparent huge pages ([`crate::advise_huge_pages`]) before first use (a
-/// clone copies into ordinary pages).
+/// silent overwrite or a reallocation behind the caller's back. The buffers are allocated zeroed,
+/// on a cache line, and advised for transparent huge pages ([`crate::AlignedBuf`]) before first
+/// use (a clone copies into ordinary pages).
 #[derive(Clone, Debug)]
 pub struct KvCache {
     b: usize,
@@ -18,8 +19,8 @@ pub struct KvCache {
     cap: usize,
     d: usize,
     dv: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: AlignedBuf,
+    v: AlignedBuf,
     lens: Vec<usize>,
 }
 
@@ -36,11 +37,10 @@ impl KvCache {
                 .try_fold(1usize, |a, &y| a.checked_mul(y))
                 .ok_or(AttnError::Overflow { arg: "capacity" })
         };
-        // Decode streams the whole cache per token: ask for huge pages (see `pages.rs`).
-        let mut k = vec![0.0; size(d)?];
-        let mut v = vec![0.0; size(dv)?];
-        crate::advise_huge_pages(&mut k);
-        crate::advise_huge_pages(&mut v);
+        // Decode streams the whole cache per token: ask for huge pages, and start on a cache
+        // line (see `pages.rs`).
+        let k = AlignedBuf::zeroed(size(d)?, true);
+        let v = AlignedBuf::zeroed(size(dv)?, true);
         Ok(KvCache {
             b,
             hkv,

@@ -134,11 +134,20 @@ fn golden_additive_attention() {
                 )
                 .unwrap();
             assert_eq!(ys.shape, [LQ, B, DV]);
-            assert_eq!(
-                ys.out,
-                seq(&y.out, LQ, DV),
-                "{isa}: seq-first must be the same numbers"
-            );
+            let want = seq(&y.out, LQ, DV);
+            if cfg!(feature = "blas") {
+                // OpenBLAS may block a GEMM differently for other strides (seen with its
+                // SkylakeX kernels): the same numbers up to rounding.
+                for (i, (g, w)) in ys.out.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-6 + 1e-6 * w.abs(),
+                        "{isa}: seq-first out[{i}] {g} vs {w}"
+                    );
+                }
+            } else {
+                // Our kernels and matrixmultiply do not depend on the strides: bitwise.
+                assert_eq!(ys.out, want, "{isa}: seq-first must be the same numbers");
+            }
             if par == Par::Rayon {
                 eprintln!("additive_attention {isa}: max err out {e1:.2e}, weights {e2:.2e}, scores {e3:.2e}");
             }

@@ -28,10 +28,41 @@ pub const DECODE_KEY_BLOCK: usize = 32;
 /// Keys per sub-block of the key-major walk, rounded up to whole score groups (4 KiB of K at
 /// D = 128). Measured (R = 4, DRAM): 4 keys 52 ns per key, 8 keys 47, 16 keys 52.
 const SUB_KEYS: usize = 8;
-/// Software prefetch distance of the chunk-major walk, in keys. Measured (B1 H32 Hkv8 D128, Lk 32768,
-/// huge pages, 1 thread, medians of 3): 3 keys 12.1 GB/s, 5: 16.2, 8: 18.4, 12: 18.9, 16–48:
-/// slowly down again; T1 and T2 hints alike, NTA and T0 worse; no prefetch about half.
-const PF: usize = 12;
+/// Software prefetch distance of the chunk-major walk, in keys, under [`DecodeWalk::Streams`].
+/// Measured on the Zen 4 VM (B1 H32 Hkv8 D128, Lk 32768, huge pages, 1 thread, medians of 3):
+/// 3 keys 12.1 GB/s, 5: 16.2, 8: 18.4, 12: 18.9, 16–48: slowly down again; T1 and T2 hints
+/// alike, NTA and T0 worse; no prefetch about half.
+const PF_STREAMS: usize = 12;
+/// The same under [`DecodeWalk::Prefetch`]. Measured on the Xeon (Hkv = 32, Lk 8192, 1 thread,
+/// share of a plain read of K and V in the same run, 3 rounds): 12 keys 1.33, 24 keys 1.38.
+const PF_PREFETCH: usize = 24;
+
+/// How the decode kernel walks K and V; which is faster depends on the core's prefetchers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DecodeWalk {
+    /// [`DecodeWalk::Streams`] on AMD cores, [`DecodeWalk::Prefetch`] on the others.
+    #[default]
+    Auto,
+    /// K and V rows read whole as plain sequential streams, no software prefetch, except where
+    /// several rows side by side defeat the hardware prefetchers (5, 7, 8-row groups). Measured
+    /// best on Zen 4, where software prefetch slowed plain streams by 20–30 %.
+    Streams,
+    /// Every group prefetches the K and V rows 24 keys ahead in software. Measured
+    /// best on the Xeon (Sapphire Rapids class): one-row groups 1.10 → 1.33–1.38 of a plain read
+    /// of K and V, four-row groups 0.80 → 1.08–1.10 (a plain read there is not the ceiling).
+    Prefetch,
+}
+
+impl DecodeWalk {
+    /// `Streams` or `Prefetch`, resolving `Auto` by the CPU vendor.
+    pub fn resolve(self) -> DecodeWalk {
+        match self {
+            DecodeWalk::Auto if crate::isa::is_amd() => DecodeWalk::Streams,
+            DecodeWalk::Auto => DecodeWalk::Prefetch,
+            w => w,
+        }
+    }
+}
 
 /// Rows one kernel call handles at most (more are processed in several passes by the caller).
 pub const DECODE_MAX_ROWS: usize = 8;
@@ -74,6 +105,8 @@ pub struct DecodeArgs<'a> {
     pub j_end: usize,
     /// Softmax scale.
     pub scale: f32,
+    /// How K and V are walked (speed only; every walk gives the same result).
+    pub walk: DecodeWalk,
 }
 
 /// Floats of one row's partial result: `[m, l, o_0 … o_{dv−1}]`.
@@ -160,6 +193,7 @@ unsafe fn decode_rows<
     const KM: bool,
     const RG: usize,
     const NC: usize,
+    const PF: usize,
 >(
     a: &DecodeArgs,
     partial: *mut f32,
@@ -214,7 +248,15 @@ unsafe fn decode_rows<
             while k0 < nk.max(pn) {
                 if k0 < nk {
                     let k1 = nk.min(k0 + sub);
-                    scores::<S, R, KEYS, KM>(a, qbuf.as_ptr(), dp, jb, k0, k1, scur.as_mut_ptr());
+                    scores::<S, R, KEYS, KM, PF>(
+                        a,
+                        qbuf.as_ptr(),
+                        dp,
+                        jb,
+                        k0,
+                        k1,
+                        scur.as_mut_ptr(),
+                    );
                 }
                 if let Some((pj, pn)) = prev.filter(|&(_, n)| k0 < n) {
                     let k1 = pn.min(k0 + sub);
@@ -302,7 +344,7 @@ struct RowState<const R: usize> {
 /// As [`decode_rows`]; `q` holds R rows of `dp` scaled query values; `s` writable for R rows of
 /// [`DECODE_KEY_BLOCK`]; `k1 ≤ DECODE_KEY_BLOCK`.
 #[inline(always)]
-unsafe fn scores<S: Simd, const R: usize, const KEYS: usize, const KM: bool>(
+unsafe fn scores<S: Simd, const R: usize, const KEYS: usize, const KM: bool, const PF: usize>(
     a: &DecodeArgs,
     q: *const f32,
     dp: usize,
@@ -330,10 +372,10 @@ unsafe fn scores<S: Simd, const R: usize, const KEYS: usize, const KM: bool>(
                 dots_key_major::<S, R, KEYS>(kp, q, dp, dfull)
             } else {
                 // Walking KEYS rows side by side hides K from the hardware prefetchers, so the
-                // K and V rows PF keys ahead are requested explicitly, in address order.
+                // K and V rows PF keys ahead are requested explicitly, in address order (PF = 0:
+                // none, for one-key groups on cores whose prefetchers follow them alone).
                 let jp = jb + jj + PF;
-                // One-key groups keep the sequential walk, which needs no help.
-                let npf = if KEYS > 1 && jp < a.j_end {
+                let npf = if PF > 0 && jp < a.j_end {
                     KEYS.min(a.j_end - jp)
                 } else {
                     0
@@ -610,40 +652,98 @@ pub(crate) unsafe fn decode<S: Simd>(
         // SAFETY: forwarded contract; the row subset and its partial rows stay in bounds.
         unsafe {
             let p = partial.add(r0 * ldp);
+            let streams = sub.walk.resolve() == DecodeWalk::Streams;
             macro_rules! run {
-                ($r:literal, $w16:tt, $w8:tt) => {
-                    if S::W == 16 {
-                        run!(@ $r, $w16)
-                    } else {
-                        run!(@ $r, $w8)
+                ($r:literal, $s16:tt, $p16:tt, $s8:tt, $p8:tt) => {
+                    match (S::W == 16, streams) {
+                        (true, true) => run!(@ $r, $s16),
+                        (true, false) => run!(@ $r, $p16),
+                        (false, true) => run!(@ $r, $s8),
+                        (false, false) => run!(@ $r, $p8),
                     }
                 };
-                (@ $r:literal, ($k:literal, $km:literal, $rg:literal, $nc:literal)) => {
-                    decode_rows::<S, $r, $k, $km, $rg, $nc>(&sub, p, ldp, scratch)
+                (@ $r:literal, ($k:literal, $km:literal, $rg:literal, $nc:literal, $pf:expr)) => {
+                    decode_rows::<S, $r, $k, $km, $rg, $nc, { $pf }>(&sub, p, ldp, scratch)
                 };
             }
-            // (KEYS, key-major walk, RG, NC), for W = 16 (32 registers) and W = 8 (16):
-            // KEYS keys per score group (R·KEYS ≤ W accumulators); P·V in passes of RG rows ×
-            // NC lane chunks (RG·NC accumulators).
+            const S: usize = PF_STREAMS;
+            const P: usize = PF_PREFETCH;
+            // (KEYS, key-major walk, RG, NC, prefetch distance) per walk, for W = 16 (32
+            // registers) and W = 8 (16): KEYS keys per score group (R·KEYS ≤ W accumulators);
+            // P·V in passes of RG rows × NC lane chunks (RG·NC accumulators).
+            //
+            // `Streams` (measured on Zen 4):
             // - One row: one key at a time keeps K a single sequential stream, which the
-            //   hardware prefetchers follow (chunk-major with KEYS = 1 sends no prefetches).
+            //   hardware prefetchers follow (no software prefetch: it measured 20–30 % slower).
             // - The key-major walk pays at W = 16 where the rows split into equal P·V passes
             //   that each take a whole V row (attnbench, B1 D128 Lk 32768, one thread, KV GB/s,
             //   medians of 3–5): R = 2 17.2 → 19.3, R = 3 17.4 → 19.2, R = 4 14.7 → 19.2 (huge
             //   pages 16.8 → 20.4), R = 6 11.4 → 14.8. Not for R = 5 (15.9 → 14.3, or 16.2 →
             //   16.7 in passes of 3 + 2), R = 7 (12.9 → 11.5), R = 8 (11.7 → 10.8). At W = 8
             //   a V row needs two passes; R = 4 read a steady 12.4 GB/s key-major against
-            //   9.1–16.5 chunk-major (bimodal), so W = 8 stays as it was. The key-major speed
+            //   9.1–16.5 chunk-major (bimodal), so W = 8 stays chunk-major. The key-major speed
             //   also depends on code layout: equivalent loops once ran 20 % slower in a probe.
+            //
+            // `Prefetch` (measured on the Xeon): chunk-major with software prefetch for every
+            // group; against `Streams`, R = 4 read 0.80 → 1.08 of a plain read of K and V in
+            // the same run, R = 1 1.10 → 1.33 (BENCHMARKS.md).
             match n {
-                1 => run!(1, (1, false, 1, 8), (1, false, 1, 8)),
-                2 => run!(2, (8, true, 2, 8), (4, false, 2, 6)),
-                3 => run!(3, (4, true, 3, 8), (2, false, 3, 4)),
-                4 => run!(4, (4, true, 2, 8), (2, false, 4, 2)),
-                5 => run!(5, (3, false, 5, 4), (1, false, 5, 2)),
-                6 => run!(6, (2, true, 3, 8), (1, false, 6, 1)),
-                7 => run!(7, (2, false, 7, 3), (1, false, 7, 1)),
-                _ => run!(8, (2, false, 8, 2), (1, false, 8, 1)),
+                1 => run!(
+                    1,
+                    (1, false, 1, 8, 0),
+                    (1, false, 1, 8, P),
+                    (1, false, 1, 8, 0),
+                    (1, false, 1, 8, P)
+                ),
+                2 => run!(
+                    2,
+                    (8, true, 2, 8, 0),
+                    (4, false, 2, 8, P),
+                    (4, false, 2, 6, S),
+                    (4, false, 2, 6, P)
+                ),
+                3 => run!(
+                    3,
+                    (4, true, 3, 8, 0),
+                    (4, false, 3, 8, P),
+                    (2, false, 3, 4, S),
+                    (2, false, 3, 4, P)
+                ),
+                4 => run!(
+                    4,
+                    (4, true, 2, 8, 0),
+                    (4, false, 2, 8, P),
+                    (2, false, 4, 2, S),
+                    (2, false, 4, 2, P)
+                ),
+                5 => run!(
+                    5,
+                    (3, false, 5, 4, S),
+                    (3, false, 5, 4, P),
+                    (1, false, 5, 2, S),
+                    (1, false, 5, 2, P)
+                ),
+                6 => run!(
+                    6,
+                    (2, true, 3, 8, 0),
+                    (2, false, 3, 8, P),
+                    (1, false, 6, 1, S),
+                    (1, false, 6, 1, P)
+                ),
+                7 => run!(
+                    7,
+                    (2, false, 7, 3, S),
+                    (2, false, 7, 3, P),
+                    (1, false, 7, 1, S),
+                    (1, false, 7, 1, P)
+                ),
+                _ => run!(
+                    8,
+                    (2, false, 8, 2, S),
+                    (2, false, 8, 2, P),
+                    (1, false, 8, 1, S),
+                    (1, false, 8, 1, P)
+                ),
             }
         }
         r0 += n;

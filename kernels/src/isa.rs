@@ -135,3 +135,26 @@ impl Isa {
         }
     }
 }
+
+/// Whether the CPU is an AMD one (by the CPUID vendor string; cached). Some kernels walk memory
+/// differently on AMD and Intel cores, because their prefetchers reward different patterns
+/// (see [`crate::DecodeWalk`]).
+pub(crate) fn is_amd() -> bool {
+    static AMD: OnceLock<bool> = OnceLock::new();
+    *AMD.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // Leaf 0 (the vendor string) exists on every x86-64 CPU.
+            let r = core::arch::x86_64::__cpuid(0);
+            let mut vendor = [0u8; 12];
+            vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+            vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+            vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+            &vendor == b"AuthenticAMD"
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}

@@ -24,8 +24,8 @@ mod simd;
 mod x86_64;
 
 pub use decode::{
-    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DECODE_KEY_BLOCK,
-    DECODE_MAX_ROWS,
+    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk,
+    DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
 };
 pub use flash::{key_block, scratch_len, CausalOffset, FlashArgs};
 pub use heads::{merge_heads, split_heads};

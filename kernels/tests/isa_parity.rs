@@ -313,11 +313,17 @@ fn split_then_merge_heads_round_trips() {
 fn decode_partials_merge_to_reference() {
     use attnkit_kernels::{
         decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
+        DecodeWalk,
     };
     let mut rng = SmallRng::seed_from_u64(4);
     for isa in isas() {
-        // 154 = 2·7·11: every (rows, keys) pair, twice.
+        // 154 = 2·7·11: every (rows, keys) pair twice, once per walk (77 is odd).
         for case in 0..154 {
+            let walk = if case % 2 == 0 {
+                DecodeWalk::Streams
+            } else {
+                DecodeWalk::Prefetch
+            };
             let rows_n = 1 + case % 11; // crosses DECODE_MAX_ROWS
             let n = [1usize, 5, 31, 32, 33, 200, 777][case % 7];
             let d = [1usize, 3, 16, 24, 64, 80, 128, 256][case % 8];
@@ -376,6 +382,7 @@ fn decode_partials_merge_to_reference() {
                     j_begin: (c * step).min(n),
                     j_end: ((c + 1) * step).min(n),
                     scale,
+                    walk,
                 };
                 // SAFETY: buffers cover every extent in `args`; the ISA is supported.
                 unsafe {
@@ -414,7 +421,9 @@ fn decode_partials_merge_to_reference() {
                     },
                     |j, c| v[j * ldv + c] as f64,
                 );
-                let ctx = format!("{isa} case {case} row {r}: n={n} d={d} dv={dv} chunks={chunks}");
+                let ctx = format!(
+                    "{isa} {walk:?} case {case} row {r}: n={n} d={d} dv={dv} chunks={chunks}"
+                );
                 for c in 0..dv {
                     let (g, w) = (out[c] as f64, want[c]);
                     assert!(
@@ -437,6 +446,7 @@ fn decode_partials_merge_to_reference() {
 fn decode_split_counts_agree_with_unsplit() {
     use attnkit_kernels::{
         decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
+        DecodeWalk,
     };
     let mut rng = SmallRng::seed_from_u64(5);
     let (n, d, dv, rows_n) = (3001usize, 128usize, 128usize, 4usize);
@@ -470,6 +480,7 @@ fn decode_split_counts_agree_with_unsplit() {
                     j_begin: (c * step).min(n),
                     j_end: ((c + 1) * step).min(n),
                     scale: 0.088,
+                    walk: DecodeWalk::Auto,
                 };
                 // SAFETY: buffers cover every extent in `args`; the ISA is supported.
                 unsafe {

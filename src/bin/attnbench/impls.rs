@@ -7,13 +7,14 @@
 use crate::cases::Case;
 use attnkit::kernels::reference;
 use attnkit::unfused::{sdpa_unfused_with, Backend};
-use attnkit::{choose_path, sdpa, Causal, Isa, Path, SdpaOptions, Tensor, TensorMut};
+use attnkit::{choose_path, sdpa, AlignedBuf, Causal, Isa, Path, SdpaOptions, Tensor, TensorMut};
 
-/// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed.
+/// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed, each buffer starting on a
+/// cache line (as PyTorch's allocator places tensors).
 pub struct Inputs {
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub q: AlignedBuf,
+    pub k: AlignedBuf,
+    pub v: AlignedBuf,
 }
 
 impl Inputs {
@@ -26,11 +27,8 @@ impl Inputs {
             ^ (case.h as u64) << 40
             ^ (case.lq as u64) << 20
             ^ case.lk as u64;
-        let mut fill = |n: usize| -> Vec<f32> {
-            let mut buf = vec![0.0f32; n];
-            if huge_pages {
-                attnkit::advise_huge_pages(&mut buf);
-            }
+        let mut fill = |n: usize| -> AlignedBuf {
+            let mut buf = AlignedBuf::zeroed(n, huge_pages);
             for x in buf.iter_mut() {
                 state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
                 let mut z = state;
@@ -67,6 +65,11 @@ pub trait Impl: Sync {
     fn skip(&self, _case: &Case) -> Option<String> {
         None
     }
+    /// Whether `run` computes attention (and must agree with the others); false for a baseline
+    /// that only measures the machine (`read-kv`).
+    fn is_attention(&self) -> bool {
+        true
+    }
     /// One forward pass: reads `inp`, writes `out` (dense `(B, H, Lq, D)`).
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa);
 }
@@ -80,6 +83,7 @@ pub const NAMES: &[&str] = &[
     "fused",
     "fused-prefill",
     "fused-decode",
+    "read-kv",
     "unfused-mm",
     "unfused-blas",
     "naive",
@@ -207,12 +211,61 @@ impl Impl for Naive {
     }
 }
 
+/// `read-kv`: every float of K and V read once (summed, in equal contiguous shares over the rayon
+/// pool), nothing computed: the memory ceiling of decode, on the same buffers and pages, with the
+/// same threads, measured right after `fused` (so `fused`'s share of it is a side-by-side ratio;
+/// on this shared host the bandwidth moves by 2x over minutes). Decode shapes only.
+struct ReadKv;
+
+/// Sum of `x` with 4 × 16 independent lanes, so the loop waits on loads, not on add latency.
+fn stream_sum(x: &[f32]) -> f32 {
+    let mut acc = [[0f32; 16]; 4];
+    let mut blocks = x.chunks_exact(64);
+    for blk in &mut blocks {
+        for (a, part) in acc.iter_mut().zip(blk.chunks_exact(16)) {
+            for (s, v) in a.iter_mut().zip(part) {
+                *s += v;
+            }
+        }
+    }
+    blocks.remainder().iter().sum::<f32>() + acc.iter().flatten().sum::<f32>()
+}
+
+impl Impl for ReadKv {
+    fn name(&self) -> &'static str {
+        "read-kv"
+    }
+    fn isa_label(&self, _isa: Isa, _case: &Case) -> String {
+        "stream".into()
+    }
+    fn is_attention(&self) -> bool {
+        false
+    }
+    fn skip(&self, case: &Case) -> Option<String> {
+        (case.lq > 16).then(|| "only for decode shapes (Lq ≤ 16)".to_string())
+    }
+    fn run(&self, _case: &Case, inp: &Inputs, out: &mut [f32], _isa: Isa) {
+        use rayon::prelude::*;
+        let share = |n: usize| n.div_ceil(rayon::current_num_threads()).max(64);
+        let total: f32 = inp
+            .k
+            .par_chunks(share(inp.k.len()))
+            .chain(inp.v.par_chunks(share(inp.v.len())))
+            .map(stream_sum)
+            .sum();
+        if let Some(o) = out.first_mut() {
+            *o = total;
+        }
+    }
+}
+
 /// The implementation called `name`, `Err(reason)` when this build or this crate cannot run it.
 pub fn by_name(name: &str, naive_max_macs: f64) -> Result<Box<dyn Impl>, String> {
     match name {
         "fused" => Ok(Box::new(Fused("fused", Path::Auto))),
         "fused-prefill" => Ok(Box::new(Fused("fused-prefill", Path::Prefill))),
         "fused-decode" => Ok(Box::new(Fused("fused-decode", Path::Decode))),
+        "read-kv" => Ok(Box::new(ReadKv)),
         "unfused-mm" => Ok(Box::new(Unfused("unfused-mm", Backend::MatrixMultiply))),
         #[cfg(feature = "blas")]
         "unfused-blas" => Ok(Box::new(Unfused("unfused-blas", Backend::Blas))),
@@ -253,6 +306,9 @@ mod tests {
                 let Ok(imp) = by_name(name, f64::INFINITY) else {
                     continue;
                 };
+                if !imp.is_attention() {
+                    continue;
+                }
                 let mut got = vec![f32::NAN; case.q_len()];
                 imp.run(&case, &inp, &mut got, isa);
                 let err = got
@@ -265,12 +321,38 @@ mod tests {
         }
     }
 
+    /// `read-kv` reads every float of K and V, whatever the pool size.
+    #[test]
+    fn read_kv_sums_everything() {
+        let case = Case {
+            hkv: 2,
+            ..Case::new(1, 4, 1, 1000, 16, false)
+        };
+        let inp = Inputs::new(&case, 3, false);
+        let want: f64 = inp.k.iter().chain(inp.v.iter()).map(|&x| x as f64).sum();
+        for t in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap();
+            let mut out = vec![0.0; case.q_len()];
+            pool.install(|| ReadKv.run(&case, &inp, &mut out, Isa::Scalar));
+            assert!(
+                (out[0] as f64 - want).abs() < 1e-2,
+                "{t}: {} vs {want}",
+                out[0]
+            );
+        }
+        assert!(ReadKv.skip(&Case::new(1, 4, 64, 64, 16, false)).is_some());
+    }
+
     #[test]
     fn inputs_are_deterministic() {
         let case = Case::new(1, 2, 8, 8, 4, false);
         let (a, b) = (Inputs::new(&case, 1, false), Inputs::new(&case, 1, true));
-        assert_eq!(a.q, b.q);
+        assert_eq!(a.q[..], b.q[..]);
+        assert_eq!(a.k.as_ptr() as usize % 64, 0);
         assert!(a.q.iter().all(|x| (-1.0..1.0).contains(x)));
-        assert_ne!(a.q, Inputs::new(&case, 2, false).q);
+        assert_ne!(a.q[..], Inputs::new(&case, 2, false).q[..]);
     }
 }

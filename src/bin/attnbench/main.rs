@@ -41,8 +41,10 @@ SHAPES
                       (default for an explicit shape: no; `--causal` alone means yes)
 RUN
   --impl LIST         comma-separated from fused, fused-prefill, fused-decode (the kernel forced),
-                      unfused-mm, unfused-blas, naive (default: fused and the baselines this
-                      build has; unfused-blas needs --features blas; naive only on small shapes)
+                      read-kv, unfused-mm, unfused-blas, naive (default: fused and the baselines
+                      this build has; unfused-blas needs --features blas; naive only on small
+                      shapes; read-kv, decode shapes only, reads K and V once and computes
+                      nothing: the memory ceiling, measured in the same run)
   --threads LIST      rayon threads, e.g. 1,2 (default: all cores)
   --isa NAME          scalar | avx2 | avx512 for our kernels (default: best, or $ATTNKIT_ISA)
   --warmup N          untimed calls first (default 1)
@@ -424,6 +426,7 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
                     pool.install(|| measure(cfg, || imp.run(case, &inputs, &mut out, cfg.isa)));
                 // Same inputs, so every implementation must agree with the first one.
                 match &reference {
+                    _ if !imp.is_attention() => {}
                     None => reference = Some(out.clone()),
                     Some(want) => {
                         let err = out

@@ -184,6 +184,7 @@ fn impl_order(records: &[Record]) -> Vec<String> {
         "fused",
         "fused-prefill",
         "fused-decode",
+        "read-kv",
         "unfused-mm",
         "unfused-blas",
         "torch-sdpa",
@@ -311,8 +312,24 @@ pub fn table(records: &[Record]) -> String {
     s
 }
 
+/// ` (87 % of read-kv)` when the same run measured `read-kv` on `r`'s case with the same page
+/// setting (`+thp` rows against `read-kv+thp`), else nothing.
+fn read_share(rows: &[&Record], r: &Record) -> String {
+    if r.imp.starts_with("read-kv") {
+        return String::new();
+    }
+    let suffix = r.imp.find(['+', '@']).map_or("", |i| &r.imp[i..]);
+    let want = format!("read-kv{suffix}");
+    rows.iter()
+        .find(|x| x.case == r.case && x.imp == want)
+        .map_or(String::new(), |x| {
+            format!(" ({:.0} % of read-kv)", 100.0 * x.median_s / r.median_s)
+        })
+}
+
 /// Markdown: one table per thread count, one row per case, one column per implementation with
-/// `GFLOP/s (% of peak)`; decode rows (Lq = 1) show time and K+V bandwidth instead.
+/// `GFLOP/s (% of peak)`; decode rows (Lq = 1) show time and K+V bandwidth instead, with the
+/// share of `read-kv` measured in the same run.
 pub fn markdown(records: &[Record]) -> String {
     let mut s = String::new();
     let names = impl_order(records);
@@ -366,9 +383,10 @@ pub fn markdown(records: &[Record]) -> String {
                     Some(r) if c.lq == 1 && c.lk > 1 => {
                         let _ = write!(
                             s,
-                            " {} · {:.1} GB/s |",
+                            " {} · {:.1} GB/s{} |",
                             fmt_time(r.median_s),
-                            c.kv_bytes() / r.median_s / 1e9
+                            c.kv_bytes() / r.median_s / 1e9,
+                            read_share(&rows, r)
                         );
                     }
                     Some(r) if c.macs() < 1e7 => {
@@ -445,5 +463,29 @@ mod tests {
             "{m}"
         );
         assert!(m.contains("**2 threads**"), "{m}");
+    }
+
+    #[test]
+    fn decode_cells_show_the_share_of_read_kv() {
+        let case = Case {
+            hkv: 8,
+            ..Case::new(1, 32, 1, 8192, 128, false)
+        };
+        let mk = |imp: &str, t: f64| Record {
+            imp: imp.into(),
+            case,
+            median_s: t,
+            ..rec("x", 1)
+        };
+        let rs = vec![
+            mk("fused", 4e-3),
+            mk("read-kv", 3e-3),
+            mk("fused+thp", 5e-3),
+            mk("read-kv+thp", 4e-3),
+        ];
+        let m = markdown(&rs);
+        assert!(m.contains("(75 % of read-kv)"), "{m}");
+        assert!(m.contains("(80 % of read-kv)"), "{m}");
+        assert_eq!(m.matches("% of read-kv").count(), 2, "{m}");
     }
 }
