@@ -56,12 +56,16 @@ $PYTHON -c 'import torch' 2>/dev/null && HAVE_TORCH=1
 measure() { # measure DIR: one round of every measurement, JSON lines into DIR
     local R=$1
     for p in $PRESETS; do
-        echo "bench_all: attnbench --preset $p --threads $THREADS" >&2
-        "$BIN" --preset "$p" --threads "$THREADS" --json \
+        # Decode reads each input copy once in turn (--cold): K and V from memory, as in a model
+        # whose layers' caches together exceed the L3, not from the L3 the last call filled.
+        COLD=()
+        [[ $p == decode ]] && COLD=(--cold)
+        echo "bench_all: attnbench --preset $p --threads $THREADS ${COLD[*]}" >&2
+        "$BIN" --preset "$p" --threads "$THREADS" --json "${COLD[@]}" \
             --impl fused,read-kv,fused-prefill,fused-decode,unfused-mm,unfused-blas,naive > "$R/attnbench-$p.jsonl"
         if [[ $HAVE_TORCH == 1 ]]; then
-            echo "bench_all: bench_torch.py --preset $p --threads $THREADS" >&2
-            $PYTHON scripts/bench_torch.py --preset "$p" --threads "$THREADS" \
+            echo "bench_all: bench_torch.py --preset $p --threads $THREADS ${COLD[*]}" >&2
+            $PYTHON scripts/bench_torch.py --preset "$p" --threads "$THREADS" "${COLD[@]}" \
                 --peak-from "$R/attnbench-$p.jsonl" > "$R/torch-$p.jsonl"
         fi
     done
@@ -71,10 +75,10 @@ measure() { # measure DIR: one round of every measurement, JSON lines into DIR
     # and PyTorch's through its allocator switch THP_MEM_ALLOC_ENABLE=1. Rows are named NAME+thp.
     if [[ " $PRESETS " == *" decode "* ]]; then
         echo "bench_all: attnbench --preset decode --huge-pages --threads $THREADS" >&2
-        "$BIN" --preset decode --threads "$THREADS" --json --huge-pages \
+        "$BIN" --preset decode --threads "$THREADS" --json --huge-pages --cold \
             --impl fused,read-kv,unfused-mm > "$R/attnbench-decode-thp.jsonl"
         if [[ $HAVE_TORCH == 1 ]]; then
-            THP_MEM_ALLOC_ENABLE=1 $PYTHON scripts/bench_torch.py --preset decode --threads "$THREADS" \
+            THP_MEM_ALLOC_ENABLE=1 $PYTHON scripts/bench_torch.py --preset decode --threads "$THREADS" --cold \
                 --name torch-sdpa+thp --peak-from "$R/attnbench-decode.jsonl" > "$R/torch-decode-thp.jsonl"
         fi
     fi

@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.3)
     ap.add_argument("--max-time", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--cold", action="store_true", help="each timed call on its own copy of the inputs, >= 1 GiB of copies (at most 64), as attnbench --cold")
     ap.add_argument("--peak", type=float, help="one thread's FMA peak in GFLOP/s")
     ap.add_argument("--peak-from", action="append", default=[], help="attnbench JSON lines to read the peak from")
     args = ap.parse_args()
@@ -97,6 +98,11 @@ def main():
             q = torch.rand(b, h, lq, d, generator=g) * 2 - 1
             k = torch.rand(b, hkv, lk, d, generator=g) * 2 - 1
             v = torch.rand(b, hkv, lk, d, generator=g) * 2 - 1
+            copies = [(q, k, v)]
+            if args.cold:
+                nbytes = 4 * (q.numel() + k.numel() + v.numel())
+                n = int(min(64, max(1, (1 << 30) // nbytes)))
+                copies += [(q.clone(), k.clone(), v.clone()) for _ in range(n - 1)]
             kw = {"is_causal": causal}
             if hkv != h:
                 kw["enable_gqa"] = True
@@ -104,8 +110,9 @@ def main():
                 F.scaled_dot_product_attention(q, k, v, **kw)  # warm-up
                 times, start = [], time.perf_counter()
                 while True:
+                    qq, kk, vv = copies[len(times) % len(copies)]
                     t = time.perf_counter()
-                    F.scaled_dot_product_attention(q, k, v, **kw)
+                    F.scaled_dot_product_attention(qq, kk, vv, **kw)
                     times.append(time.perf_counter() - t)
                     total = time.perf_counter() - start
                     if (len(times) >= args.reps and total >= args.min_time) or (len(times) >= 3 and total >= args.max_time):

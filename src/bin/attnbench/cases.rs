@@ -50,6 +50,11 @@ impl Case {
         2.0 * 4.0 * (self.b * self.hkv * self.lk * self.d) as f64
     }
 
+    /// Bytes of Q, K and V.
+    pub fn input_bytes(&self) -> f64 {
+        4.0 * (self.q_len() + 2 * self.kv_len()) as f64
+    }
+
     /// Elements of q/out and of k/v.
     pub fn q_len(&self) -> usize {
         self.b * self.h * self.lq * self.d

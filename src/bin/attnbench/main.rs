@@ -52,6 +52,10 @@ RUN
   --min-time SECS     ... and at least this long in all (default 0.3) ...
   --max-time SECS     ... but stop after this long once 3 calls are done (default 5)
   --seed N            input seed (default 42; inputs are uniform in [-1, 1))
+  --cold              each timed call reads its own copy of the inputs, as many copies as make
+                      ≥ 1 GiB (at most 64), so K and V come from memory, not from the last-level
+                      cache the previous call filled (as in a model, where each layer's KV cache
+                      is read once per token); for decode shapes on a CPU with a large L3
   --huge-pages        ask for transparent huge pages for Q, K, V (Linux madvise; what KvCache
                       does for its own buffers; matters for decode, see BENCHMARKS.md); the
                       implementations are reported as NAME+thp
@@ -82,6 +86,7 @@ struct Config {
     max_time: f64,
     seed: u64,
     huge_pages: bool,
+    cold: bool,
     naive_max: f64,
     peak: Option<f64>,
     json: bool,
@@ -107,6 +112,7 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
         max_time: 5.0,
         seed: 42,
         huge_pages: false,
+        cold: false,
         naive_max: 32e6,
         peak: None,
         json: false,
@@ -203,6 +209,7 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
             "--max-time" => cfg.max_time = num(value(&mut it)?)?,
             "--seed" => cfg.seed = int(value(&mut it)?)? as u64,
             "--huge-pages" => cfg.huge_pages = true,
+            "--cold" => cfg.cold = true,
             "--naive-max" => cfg.naive_max = num(value(&mut it)?)? * 1e6,
             "--peak" => cfg.peak = Some(num(value(&mut it)?)?),
             "--json" => cfg.json = true,
@@ -279,6 +286,9 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
     }
     Ok(Some(cfg))
 }
+
+/// Bytes of input copies `--cold` cycles through: several times any last-level cache here.
+const COLD_BYTES: f64 = (1u64 << 30) as f64;
 
 /// Median seconds of `f` after `warmup` untimed calls: at least `reps` calls and `min_time`
 /// seconds, stopping after `max_time` once 3 calls are done.
@@ -401,7 +411,15 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
             peaks.insert(t, p);
         }
         for case in &cfg.cases {
-            let inputs = Inputs::new(case, cfg.seed, cfg.huge_pages);
+            // Identical copies (same seed), one per call in turn under --cold.
+            let copies = if cfg.cold {
+                (COLD_BYTES / case.input_bytes().max(1.0)).clamp(1.0, 64.0) as usize
+            } else {
+                1
+            };
+            let inputs: Vec<Inputs> = (0..copies)
+                .map(|_| Inputs::new(case, cfg.seed, cfg.huge_pages))
+                .collect();
             let mut reference: Option<Vec<f32>> = None;
             for imp in &chosen {
                 pb.set_message(format!("{} {case} on {t} thread(s)", imp.name()));
@@ -422,8 +440,13 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
                     continue;
                 }
                 let mut out = vec![0.0f32; case.q_len()];
-                let median =
-                    pool.install(|| measure(cfg, || imp.run(case, &inputs, &mut out, cfg.isa)));
+                let mut call = 0;
+                let median = pool.install(|| {
+                    measure(cfg, || {
+                        imp.run(case, &inputs[call % copies], &mut out, cfg.isa);
+                        call += 1;
+                    })
+                });
                 // Same inputs, so every implementation must agree with the first one.
                 match &reference {
                     _ if !imp.is_attention() => {}
@@ -508,11 +531,16 @@ fn header(cfg: &Config, chosen: &[Box<dyn Impl>]) {
         }
     );
     println!(
-        "median of ≥{} calls and ≥{}s after {} warm-up call(s); GFLOP/s = 4·B·H·Lq·Lk·D / median (½ if causal and Lq = Lk); \
+        "median of ≥{} calls and ≥{}s after {} warm-up call(s){}; GFLOP/s = 4·B·H·Lq·Lk·D / median (½ if causal and Lq = Lk); \
          % peak vs the {} FMA peak of the same thread count; KV GB/s = bytes of K and V / median",
         cfg.reps,
         cfg.min_time,
         cfg.warmup,
+        if cfg.cold {
+            ", each on its own copy of the inputs (--cold)"
+        } else {
+            ""
+        },
         if cfg.peak.is_some() { "given (--peak)" } else { "probed" }
     );
 }
@@ -591,6 +619,13 @@ mod tests {
             }]
         );
         assert_eq!(cfg.threads, vec![1, 2]);
+        assert!(!cfg.cold);
+        assert!(
+            parse_args(args("--lq 1 --lk 64 --cold"))
+                .unwrap()
+                .unwrap()
+                .cold
+        );
         let cfg = parse_args(args("--lq 64 --causal")).unwrap().unwrap();
         assert!(cfg.cases.len() == 1 && cfg.cases[0].causal && cfg.cases[0].lk == 64);
         let cfg = parse_args(args("--lq=64 --causal=both")).unwrap().unwrap();

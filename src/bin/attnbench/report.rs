@@ -264,9 +264,13 @@ pub fn table(records: &[Record]) -> String {
             .collect();
         let _ = writeln!(s, "{}", "-".repeat(118));
         for case in &cases {
-            let fused = records
-                .iter()
-                .find(|r| r.case == *case && r.threads == t && r.imp == "fused");
+            // `fused` of the same page setting (`fused+thp` for `+thp` rows).
+            let fused = |imp: &str| {
+                let want = format!("fused{}", suffix(imp));
+                records
+                    .iter()
+                    .find(|r| r.case == *case && r.threads == t && r.imp == want)
+            };
             let mut first = true;
             for name in &names {
                 let Some(r) = records
@@ -292,7 +296,7 @@ pub fn table(records: &[Record]) -> String {
                 };
                 first = false;
                 let pct = r.pct_peak.map_or("-".to_string(), |p| format!("{p:.1}"));
-                let vs = fused.map_or("-".to_string(), |f| {
+                let vs = fused(&r.imp).map_or("-".to_string(), |f| {
                     format!("{:.2}x", f.median_s / r.median_s)
                 });
                 let _ = writeln!(
@@ -312,14 +316,18 @@ pub fn table(records: &[Record]) -> String {
     s
 }
 
+/// The variant part of an implementation name: `+thp` of `fused+thp`, `@avx2` of `fused@avx2`.
+fn suffix(imp: &str) -> &str {
+    imp.find(['+', '@']).map_or("", |i| &imp[i..])
+}
+
 /// ` (87 % of read-kv)` when the same run measured `read-kv` on `r`'s case with the same page
 /// setting (`+thp` rows against `read-kv+thp`), else nothing.
 fn read_share(rows: &[&Record], r: &Record) -> String {
     if r.imp.starts_with("read-kv") {
         return String::new();
     }
-    let suffix = r.imp.find(['+', '@']).map_or("", |i| &r.imp[i..]);
-    let want = format!("read-kv{suffix}");
+    let want = format!("read-kv{}", suffix(&r.imp));
     rows.iter()
         .find(|x| x.case == r.case && x.imp == want)
         .map_or(String::new(), |x| {
