@@ -83,14 +83,16 @@ measure() { # measure DIR: one round of every measurement, JSON lines into DIR
         fi
     fi
 
-    # The AVX2 path, forced, on the core shapes; PyTorch forced to AVX2 too (ATEN_CPU_CAPABILITY).
+    # The AVX2 path, forced, on the core shapes; PyTorch forced to AVX2 too: ATEN_CPU_CAPABILITY
+    # for its own kernels, MKL_ENABLE_INSTRUCTIONS for MKL's GEMMs (without it, MKL kept its
+    # AVX-512 GEMMs on the Xeon).
     # Rows are named NAME@avx2. AVX2=0 skips it.
     if [[ ${AVX2:-1} == 1 && " $PRESETS " == *" core "* ]]; then
         echo "bench_all: attnbench --preset core --isa avx2 --threads $THREADS" >&2
         "$BIN" --preset core --threads "$THREADS" --json --isa avx2 --impl fused \
             | sed 's/"impl":"fused"/"impl":"fused@avx2"/' > "$R/attnbench-core-avx2.jsonl"
         if [[ $HAVE_TORCH == 1 ]]; then
-            ATEN_CPU_CAPABILITY=avx2 $PYTHON scripts/bench_torch.py --preset core --threads "$THREADS" \
+            ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $PYTHON scripts/bench_torch.py --preset core --threads "$THREADS" \
                 --name torch-sdpa@avx2 --peak-from "$R/attnbench-core-avx2.jsonl" > "$R/torch-core-avx2.jsonl"
         fi
     fi

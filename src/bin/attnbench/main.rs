@@ -322,7 +322,9 @@ fn peak_for(cfg: &Config, threads: usize, cache: &mut BTreeMap<usize, Option<f64
     if let Some(p) = cfg.peak {
         return Some(p * threads as f64);
     }
-    *cache.entry(threads).or_insert_with(|| peak::probe(threads))
+    *cache
+        .entry(threads)
+        .or_insert_with(|| peak::probe(threads, cfg.isa))
 }
 
 fn main() {
@@ -569,7 +571,7 @@ fn output(
             } else {
                 format!(
                     "probe: {}, {} independent chains per thread, best of 8",
-                    peak::describe(),
+                    peak::describe(cfg.isa),
                     12
                 )
             };

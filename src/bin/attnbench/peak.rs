@@ -2,6 +2,7 @@
 //! independent register chains on the widest vectors the CPU has (AVX-512, else AVX2+FMA), run on
 //! `threads` threads at once. Best of several short trials (≈ 0.1 s in all).
 
+use attnkit::Isa;
 use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::Instant;
@@ -52,17 +53,20 @@ unsafe fn fma_avx2(iters: u64, a: f32, b: f32) -> f32 {
 /// A probe kernel: `(run(iters), flops per iteration, description)`.
 type Probe = (fn(u64) -> f32, f64, &'static str);
 
-/// The probe kernel for this CPU.
-fn kernel() -> Option<Probe> {
+/// The probe kernel for this CPU, on `isa`'s vectors (the AVX2 peak for an AVX2 run: on cores
+/// with two 512-bit FMA ports it is half the AVX-512 one); none for the scalar path.
+fn kernel(isa: Isa) -> Option<Probe> {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if isa == Isa::Avx512 && std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: AVX-512F was just detected.
             let f: fn(u64) -> f32 =
                 |n| unsafe { fma_avx512(n, black_box(0.999_999), black_box(1e-7)) };
             return Some((f, (CHAINS * 16 * 2) as f64, "AVX-512 FMA"));
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        if isa != Isa::Scalar
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
         {
             // SAFETY: AVX2 and FMA were just detected.
             let f: fn(u64) -> f32 =
@@ -73,15 +77,15 @@ fn kernel() -> Option<Probe> {
     None
 }
 
-/// What the probe runs on this CPU, e.g. "AVX-512 FMA".
-pub fn describe() -> &'static str {
-    kernel().map_or("no vector FMA", |k| k.2)
+/// What the probe runs on this CPU for `isa`, e.g. "AVX-512 FMA".
+pub fn describe(isa: Isa) -> &'static str {
+    kernel(isa).map_or("no vector FMA", |k| k.2)
 }
 
 /// Measures the FMA peak in GFLOP/s of `threads` threads running at once; `None` on CPUs without
 /// a vector FMA path (then `pct_peak` is left out unless `--peak` gives it).
-pub fn probe(threads: usize) -> Option<f64> {
-    let (run, flops_per_iter, _) = kernel()?;
+pub fn probe(threads: usize, isa: Isa) -> Option<f64> {
+    let (run, flops_per_iter, _) = kernel(isa)?;
     let threads = threads.max(1);
     // ≈ 8 ms per trial at 200 GFLOP/s per thread.
     let iters: u64 = 4_000_000;
