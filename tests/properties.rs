@@ -525,6 +525,21 @@ fn large_shapes_match_reference() {
             MaskKind::BoolB1,
             None,
         ),
+        // One head's K and V pass 1 MiB without a causal mask: tasks of 192 query rows (the
+        // last one short).
+        (
+            Dims {
+                b: 1,
+                hq: 2,
+                hkv: 1,
+                lq: 400,
+                lk: 1100,
+                d: 128,
+                dv: 128,
+            },
+            MaskKind::BiasFull,
+            None,
+        ),
     ];
     for (i, (dims, mask, causal)) in cases.into_iter().enumerate() {
         let c = Case {
