@@ -31,6 +31,11 @@ else
 fi
 cargo build --release --bin attnbench "${FEATURES[@]}"
 BIN=${CARGO_TARGET_DIR:-target}/release/attnbench
+# Debian's pthread OpenBLAS starts a worker per core when it loads, and on the Xeon VM the idle
+# worker spun in sched_yield for the whole run, taking a vCPU from every implementation: fused at
+# (1, 16, 1024, 64) one thread read 72–84 GFLOP/s with it, 92–97 without. attnkit runs BLAS on
+# one thread per task anyway, so no worker is needed.
+export OPENBLAS_NUM_THREADS=1
 
 mkdir -p "$OUT"
 rm -f "$OUT"/*.jsonl

@@ -5,7 +5,10 @@
 //! Threading: parallelism comes from our rayon tasks, each of which runs whole GEMMs. OpenBLAS
 //! would otherwise start its own pool of one thread per core inside every one of those tasks and
 //! the two pools would oversubscribe the cores, so the first BLAS call sets OpenBLAS to one thread
-//! (`openblas_set_num_threads(1)`, process-wide; it overrides `OPENBLAS_NUM_THREADS`).
+//! (`openblas_set_num_threads(1)`, process-wide; it overrides `OPENBLAS_NUM_THREADS`). That
+//! does not stop the worker threads OpenBLAS started when it loaded: set `OPENBLAS_NUM_THREADS=1`
+//! in the environment of a `blas` build, or an idle worker may spin in `sched_yield` on a core
+//! (seen on the Xeon VM: the fused kernel, which never calls BLAS, ran 15–25 % slower beside it).
 //! `matrixmultiply` is built without its `threading` feature, so it is single-threaded too.
 
 /// Which library multiplies the matrices of the unfused path ([`crate::unfused::sdpa_unfused_with`]).
