@@ -113,7 +113,7 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
         scratch.len() >= scratch_len(m, d, dv),
         "flash scratch too short"
     );
-    // Every sub-buffer is a lane multiple long, so all of them start on a cache line.
+    // Every sub-buffer is a lane multiple long, so each starts on a vector boundary too.
     let (qt, rest) = aligned(scratch).split_at_mut(d * mp);
     let (st, rest) = rest.split_at_mut(nb_max * mp);
     let (ot, rest) = rest.split_at_mut(dv * mp);
