@@ -394,7 +394,37 @@ impl Plan {
         if self.path == Path::Decode {
             return self.run_decode(par);
         }
-        self.for_each(par, n, |t| self.task(t));
+        let s = &self.shape;
+        let (nqb, group) = (self.q_blocks(), s.hq / s.hkv);
+        let len = scratch_len(self.q_block().min(s.lq), s.d, s.dv);
+        if self.parallel(par, n) {
+            // Later query blocks first: under a causal mask they are the expensive ones, and
+            // rayon hands out ranges front to back.
+            self.for_each(par, n, |t| {
+                let (bh, qb) = (t / nqb, nqb - 1 - t % nqb);
+                let (b, h) = (bh / s.hq, bh % s.hq);
+                with_scratch(len, |scratch| self.task(b, h, h / group, qb, scratch));
+            });
+            return;
+        }
+        // On one thread: one scratch borrow and no index arithmetic per task, which small calls
+        // (16 tasks of 10 rows at (2, 8, 10, 16)) notice.
+        with_scratch(len, |scratch| {
+            for b in 0..s.b {
+                for hk in 0..s.hkv {
+                    for h in hk * group..(hk + 1) * group {
+                        for qb in (0..nqb).rev() {
+                            self.task(b, h, hk, qb, scratch);
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Whether [`Plan::for_each`] spreads `n` tasks over the rayon pool.
+    fn parallel(&self, par: Par, n: usize) -> bool {
+        cfg!(feature = "rayon") && par == Par::Rayon && n > 1 && self.work() >= PAR_MIN_WORK
     }
 
     /// Multiply-adds of the whole call (for the sequential/parallel decision).
@@ -408,7 +438,7 @@ impl Plan {
     /// Runs `f(0..n)` on the rayon pool, or inline when `par` is `Seq` or the call is small.
     pub(crate) fn for_each(&self, par: Par, n: usize, f: impl Fn(usize) + Sync + Send) {
         #[cfg(feature = "rayon")]
-        if par == Par::Rayon && n > 1 && self.work() >= PAR_MIN_WORK {
+        if self.parallel(par, n) {
             use rayon::prelude::*;
             (0..n).into_par_iter().for_each(f);
             return;
@@ -453,15 +483,10 @@ impl Plan {
         }
     }
 
-    /// Task `t`: one (batch, head, query block). Later query blocks first, since under a causal
-    /// mask they are the expensive ones and rayon hands out ranges front to back.
-    fn task(&self, t: usize) {
+    /// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of at
+    /// least `scratch_len(q_block, D, Dv)` floats.
+    fn task(&self, b: usize, h: usize, hk: usize, qb: usize, scratch: &mut [f32]) {
         let s = &self.shape;
-        let nqb = self.q_blocks();
-        let bh = t / nqb;
-        let qb = nqb - 1 - t % nqb;
-        let (b, h) = (bh / s.hq, bh % s.hq);
-        let hk = h / (s.hq / s.hkv);
         let row0 = qb * self.q_block();
         let m = self.q_block().min(s.lq - row0);
         let off3 = Plan::off;
@@ -509,10 +534,8 @@ impl Plan {
                 ldw: s.lk,
             }
         };
-        with_scratch(scratch_len(m, s.d, s.dv), |scratch| {
-            // SAFETY: `args` describes validated, in-bounds extents; this task's output rows
-            // (out, lse, weights) are disjoint from every other task's; the ISA was checked.
-            unsafe { flash_forward(self.isa, &args, scratch) }
-        });
+        // SAFETY: `args` describes validated, in-bounds extents; this task's output rows (out,
+        // lse, weights) are disjoint from every other task's; the ISA was checked.
+        unsafe { flash_forward(self.isa, &args, scratch) }
     }
 }

@@ -147,9 +147,15 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
     unsafe {
         // Q̂ᵀ (d × mp), pre-scaled into base-2 units; padding lanes are zero.
         let qscale = a.scale * LOG2E;
-        // One fill for the padding lanes: per-row fills of a few lanes cost a memset call each.
-        qt.fill(0.0);
-        transpose_scaled::<S>(a.q, a.ldq, m, d, qt.as_mut_ptr(), mp, |_| qscale);
+        // Padding lanes must be zero. The transpose writes zeros up to the next multiple of 8;
+        // with 16 lanes, rows may have 8 more (cheaper than a memset of all of Q̂ᵀ per call).
+        let m8 = round_up(m, 8);
+        if m8 < mp {
+            for row in qt.chunks_exact_mut(mp) {
+                row[m8..].fill(0.0);
+            }
+        }
+        transpose_scaled::<S, false, true>(a.q, a.ldq, m, d, qt.as_mut_ptr(), mp, |_| qscale);
         mrow.fill(f32::NEG_INFINITY);
         lrow.fill(0.0);
 
@@ -167,6 +173,8 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
         };
         let mut j0 = kmin;
         let mut first = true;
+        // Whether O was written directly (one key block), with `tmp` = 1/l.
+        let mut direct = false;
         while j0 < kmax {
             let (nb, u) = if j0 < jd {
                 (nb_max.min(jd - j0), 0)
@@ -198,6 +206,31 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
             // Lanes < u·W of `s` are stale; the causal fill of `mask_block` sets them to −inf.
             mask_block(a, j0, nb, mp, s);
             let rescale = online_softmax::<S>(s, nb, mp, mrow, lrow, alpha);
+            if first && j0 + nb == kmax && dv % w == 0 {
+                // The only key block (short sequences): O = diag(1/l)·P·V straight into the
+                // output rows, V as the vector operand, so no Oᵀ and no transpose back (the
+                // transpose was a sixth of the time at (2, 8, 10, 16)). Dv must fill whole
+                // vectors: the tiles store W-wide along it.
+                inverse::<S>(lrow, tmp);
+                for j in 0..nb {
+                    scale_row::<S>(&mut s[j * mp..(j + 1) * mp], tmp);
+                }
+                S::block(
+                    m,
+                    dv / w,
+                    nb,
+                    s.as_ptr(),
+                    1,
+                    mp,
+                    a.v.add(j0 * a.ldv),
+                    a.ldv,
+                    a.o,
+                    a.ldo,
+                    Accum::Replace,
+                );
+                direct = true;
+                break;
+            }
             if rescale && !first {
                 for c in 0..dv {
                     scale_row::<S>(&mut ot[c * mp..(c + 1) * mp], alpha);
@@ -225,15 +258,9 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
         // Oᵀ → O, each row scaled by 1/l, computed a register at a time. A row that saw no key
         // (l = 0; every row when no key block ran, and then Oᵀ was never written) gives zeros
         // and lse = −inf: its 1/l is inf here and its output row is overwritten below.
-        if !first {
-            let one = S::splat(1.0);
-            for c in (0..mp).step_by(S::W) {
-                S::store(
-                    tmp.as_mut_ptr().add(c),
-                    S::div(one, S::load(lrow.as_ptr().add(c))),
-                );
-            }
-            transpose_scaled::<S>(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
+        if !first && !direct {
+            inverse::<S>(lrow, tmp);
+            transpose_scaled::<S, true, false>(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
         }
         for (r, &l) in lrow[..m].iter().enumerate() {
             if l == 0.0 {
@@ -270,14 +297,17 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
 }
 
 /// `dst[c·ldd + r] = src[r·lds + c] · k(c)` for `r < rows`, `c < cols`: the two transposes of the
-/// kernel (Q into Q̂ᵀ, Oᵀ into O). Whole 8×8 blocks go through [`Simd::transpose8`] (shuffles);
-/// the ragged edges through [`transpose_edge`]. On small calls these transposes were ≈ 30 % of
-/// the time when done element by element.
+/// kernel (Q into Q̂ᵀ, Oᵀ into O), in 8×8 blocks of shuffles ([`Simd::transpose8`]); the ragged
+/// edges through masked moves ([`Simd::transpose8_part`]), plain ones on the side that is padded
+/// to a multiple of 8 (`WIDE_SRC`: columns of `src`; `WIDE_DST`: rows of `dst`, written with
+/// zeros past `rows`). Element by element, the transposes were ≈ 30 % of small calls' time, and
+/// the scalar edges alone still 15–18 % at (2, 8, 10, 16).
 ///
 /// # Safety
-/// `src` readable and `dst` writable at the given extents and strides; no overlap.
+/// `src` readable and `dst` writable at the given extents and strides, rounded up to a multiple
+/// of 8 on the wide sides; no overlap.
 #[inline(always)]
-unsafe fn transpose_scaled<S: Simd>(
+unsafe fn transpose_scaled<S: Simd, const WIDE_SRC: bool, const WIDE_DST: bool>(
     src: *const f32,
     lds: usize,
     rows: usize,
@@ -286,61 +316,19 @@ unsafe fn transpose_scaled<S: Simd>(
     ldd: usize,
     k: impl Fn(usize) -> f32,
 ) {
-    let (rf, cf) = (rows / 8 * 8, cols / 8 * 8);
-    // SAFETY: per the contract above; blocks and edges stay inside `rows × cols`.
+    // SAFETY: per the contract above; every block is clipped to `rows × cols`.
     unsafe {
-        for c0 in (0..cf).step_by(8) {
-            let kc: [f32; 8] = core::array::from_fn(|i| k(c0 + i));
-            for r0 in (0..rf).step_by(8) {
-                S::transpose8(
-                    src.add(r0 * lds + c0),
-                    lds,
-                    dst.add(c0 * ldd + r0),
-                    ldd,
-                    &kc,
-                );
-            }
-            if rf < rows {
-                transpose_edge(
-                    src.add(rf * lds + c0),
-                    lds,
-                    rows - rf,
-                    8,
-                    dst.add(c0 * ldd + rf),
-                    ldd,
-                    &kc,
-                );
-            }
-        }
-        for c in cf..cols {
-            let kc = [k(c)];
-            transpose_edge(src.add(c), lds, rows, 1, dst.add(c * ldd), ldd, &kc);
-        }
-    }
-}
-
-/// Scalar part of [`transpose_scaled`] (`k[c]` per column). Not inlined and free of
-/// `target_feature`, so the compiler keeps it scalar: vectorised, it became AVX-512 gathers and
-/// scatters, slower than scalar moves here.
-///
-/// # Safety
-/// As [`transpose_scaled`]; `k.len() ≥ cols`.
-#[inline(never)]
-unsafe fn transpose_edge(
-    src: *const f32,
-    lds: usize,
-    rows: usize,
-    cols: usize,
-    dst: *mut f32,
-    ldd: usize,
-    k: &[f32],
-) {
-    // SAFETY: per the contract above.
-    unsafe {
-        for (c, &kc) in k[..cols].iter().enumerate() {
-            let d = dst.add(c * ldd);
-            for r in 0..rows {
-                *d.add(r) = *src.add(r * lds + c) * kc;
+        for c0 in (0..cols).step_by(8) {
+            let nc = (cols - c0).min(8);
+            let kc: [f32; 8] = core::array::from_fn(|i| if i < nc { k(c0 + i) } else { 0.0 });
+            for r0 in (0..rows).step_by(8) {
+                let nr = (rows - r0).min(8);
+                let (s, d) = (src.add(r0 * lds + c0), dst.add(c0 * ldd + r0));
+                if nr == 8 && nc == 8 {
+                    S::transpose8(s, lds, d, ldd, &kc);
+                } else {
+                    S::transpose8_part::<WIDE_SRC, WIDE_DST>(s, lds, nr, nc, d, ldd, &kc);
+                }
             }
         }
     }
@@ -353,6 +341,9 @@ unsafe fn transpose_edge(
 /// As [`forward`].
 #[inline(always)]
 unsafe fn mask_block(a: &FlashArgs, j0: usize, nb: usize, mp: usize, s: &mut [f32]) {
+    if a.causal.is_none() && a.bias.is_null() && a.mask.is_null() && a.weights.is_null() {
+        return; // a loop over the keys doing nothing was 5 % of small calls
+    }
     // SAFETY: bias/mask/weights rows < m and columns < n are in bounds per `forward`'s contract.
     unsafe {
         for j in 0..nb {
@@ -433,6 +424,18 @@ unsafe fn online_softmax<S: Simd>(
         rescale |= x != 1.0;
     }
     rescale
+}
+
+/// `y ← 1/x`, lane-multiple length, a register at a time.
+#[inline(always)]
+unsafe fn inverse<S: SimdDiv>(x: &[f32], y: &mut [f32]) {
+    // SAFETY: both slices are lane multiples of equal length.
+    unsafe {
+        let one = S::splat(1.0);
+        for (yc, xc) in y.chunks_exact_mut(S::W).zip(x.chunks_exact(S::W)) {
+            S::store(yc.as_mut_ptr(), S::div(one, S::load(xc.as_ptr())));
+        }
+    }
 }
 
 /// `x ← x ⊙ k`, lane-multiple length.

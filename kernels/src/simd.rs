@@ -56,6 +56,34 @@ pub(crate) trait Simd: Copy {
             }
         }
     }
+    /// [`Simd::transpose8`] of the top-left `nr × nc` corner (`nr, nc ≤ 8`), for the ragged
+    /// edges of a transpose: reads only rows `< nr` of `src`, columns `< nc` unless `WIDE_SRC`
+    /// (then all 8 may be read); writes only rows `< nc` of `dst`, lanes `< nr` unless
+    /// `WIDE_DST` (then all 8 may be written, lanes `≥ nr` with zeros). The default is scalar;
+    /// x86 overrides it with masked moves.
+    unsafe fn transpose8_part<const WIDE_SRC: bool, const WIDE_DST: bool>(
+        src: *const f32,
+        lds: usize,
+        nr: usize,
+        nc: usize,
+        dst: *mut f32,
+        ldd: usize,
+        k: &[f32; 8],
+    ) {
+        // SAFETY: forwarded contract (the corner is readable at `src`, writable at `dst`).
+        unsafe {
+            for (c, &kc) in k[..nc].iter().enumerate() {
+                for r in 0..nr {
+                    *dst.add(c * ldd + r) = *src.add(r * lds + c) * kc;
+                }
+                if WIDE_DST {
+                    for r in nr..8 {
+                        *dst.add(c * ldd + r) = 0.0;
+                    }
+                }
+            }
+        }
+    }
     /// `2^x`; see [`exp2`]. ISAs with a cheaper exponent step override it.
     #[inline(always)]
     unsafe fn exp2(x: Self::V) -> Self::V {
@@ -370,11 +398,56 @@ mod tests {
         }
     }
 
+    /// `transpose8_part` on `S` for every corner and both widths: the corner transposed and
+    /// scaled, zeros beside it in wide rows, nothing else in `dst` written. `src` ends right
+    /// after the last element it may read.
+    unsafe fn check_transpose8_part<S: Simd, const WIDE_SRC: bool, const WIDE_DST: bool>(
+        name: &str,
+    ) {
+        let (lds, ldd) = (11, 13);
+        let k: [f32; 8] = core::array::from_fn(|c| 1.0 + c as f32);
+        for nr in 1..=8 {
+            for nc in 1..=8 {
+                let len = (nr - 1) * lds + if WIDE_SRC { 8 } else { nc };
+                let src: Vec<f32> = (0..len).map(|i| i as f32).collect();
+                let mut dst = vec![f32::NAN; 8 * ldd];
+                // SAFETY: the caller checked the ISA; the corner fits both buffers.
+                unsafe {
+                    S::transpose8_part::<WIDE_SRC, WIDE_DST>(
+                        src.as_ptr(),
+                        lds,
+                        nr,
+                        nc,
+                        dst.as_mut_ptr(),
+                        ldd,
+                        &k,
+                    )
+                };
+                let at = format!("{name} {nr}x{nc} wide {WIDE_SRC}/{WIDE_DST}");
+                for c in 0..8 {
+                    for r in 0..ldd {
+                        let got = dst[c * ldd + r];
+                        if c < nc && r < nr {
+                            assert_eq!(got, src[r * lds + c] * k[c], "{at}: ({r}, {c})");
+                        } else if c < nc && r < 8 && WIDE_DST {
+                            assert_eq!(got, 0.0, "{at}: pad ({r}, {c})");
+                        } else {
+                            assert!(got.is_nan(), "{at}: wrote ({r}, {c})");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     unsafe fn check_all<S: Simd>(name: &str) {
         // SAFETY: forwarded.
         unsafe {
             check_hsums::<S>(name);
             check_transpose8::<S>(name);
+            check_transpose8_part::<S, false, false>(name);
+            check_transpose8_part::<S, true, false>(name);
+            check_transpose8_part::<S, false, true>(name);
         }
     }
 
