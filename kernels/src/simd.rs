@@ -84,6 +84,19 @@ pub(crate) trait Simd: Copy {
             }
         }
     }
+    /// `v` with its first `n < W` lanes replaced by `x` (a blend: applying a partial mask in
+    /// registers keeps the later full-width loads of the same lanes forwarded from a full-width
+    /// store). The default goes through memory; x86 overrides it with a blend.
+    #[inline(always)]
+    unsafe fn set_first(v: Self::V, n: usize, x: f32) -> Self::V {
+        let mut t = [0.0f32; 16];
+        // SAFETY: forwarded contract; `t` holds `W ≤ 16` lanes.
+        unsafe {
+            Self::store(t.as_mut_ptr(), v);
+            t[..n].fill(x);
+            Self::load(t.as_ptr())
+        }
+    }
     /// `2^x`; see [`exp2`]. ISAs with a cheaper exponent step override it.
     #[inline(always)]
     unsafe fn exp2(x: Self::V) -> Self::V {
@@ -440,11 +453,31 @@ mod tests {
         }
     }
 
+    /// `set_first` on `S`: exactly the first `n` lanes replaced, for every `n < W`.
+    unsafe fn check_set_first<S: Simd>(name: &str) {
+        let src: Vec<f32> = (0..S::W).map(|i| i as f32).collect();
+        for n in 0..S::W {
+            let mut dst = [0.0f32; 16];
+            // SAFETY: the caller checked the ISA; both buffers hold W lanes.
+            unsafe {
+                S::store(
+                    dst.as_mut_ptr(),
+                    S::set_first(S::load(src.as_ptr()), n, -1.5),
+                )
+            };
+            for (i, &x) in dst[..S::W].iter().enumerate() {
+                let want = if i < n { -1.5 } else { src[i] };
+                assert_eq!(x, want, "{name} n={n}: lane {i}");
+            }
+        }
+    }
+
     unsafe fn check_all<S: Simd>(name: &str) {
         // SAFETY: forwarded.
         unsafe {
             check_hsums::<S>(name);
             check_transpose8::<S>(name);
+            check_set_first::<S>(name);
             check_transpose8_part::<S, false, false>(name);
             check_transpose8_part::<S, true, false>(name);
             check_transpose8_part::<S, false, true>(name);

@@ -30,6 +30,14 @@ impl Simd for Avx2 {
         unsafe { _mm256_storeu_ps(p, v) }
     }
     #[inline(always)]
+    unsafe fn set_first(v: __m256, n: usize, x: f32) -> __m256 {
+        // SAFETY: see the impl comment (register-only); `n < 8`.
+        unsafe {
+            let m = _mm256_castsi256_ps(super::first_lanes(n));
+            _mm256_blendv_ps(v, _mm256_set1_ps(x), m)
+        }
+    }
+    #[inline(always)]
     unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
         // SAFETY: see the impl comment.
         unsafe { _mm256_fmadd_ps(a, b, c) }

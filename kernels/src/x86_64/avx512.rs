@@ -30,6 +30,11 @@ impl Simd for Avx512 {
         unsafe { _mm512_storeu_ps(p, v) }
     }
     #[inline(always)]
+    unsafe fn set_first(v: __m512, n: usize, x: f32) -> __m512 {
+        // SAFETY: see the impl comment (register-only); `n < 16`.
+        unsafe { _mm512_mask_blend_ps(((1u32 << n) - 1) as u16, v, _mm512_set1_ps(x)) }
+    }
+    #[inline(always)]
     unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
         // SAFETY: see the impl comment.
         unsafe { _mm512_fmadd_ps(a, b, c) }

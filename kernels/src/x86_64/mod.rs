@@ -15,7 +15,7 @@ static EDGE_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0,
 /// # Safety
 /// AVX enabled in the caller; `n ≤ 8`.
 #[inline(always)]
-unsafe fn first_lanes(n: usize) -> __m256i {
+pub(crate) unsafe fn first_lanes(n: usize) -> __m256i {
     debug_assert!(n <= 8);
     // SAFETY: `8 − n + 8 ≤ 16` ints are read from the 16-int table.
     unsafe { _mm256_loadu_si256(EDGE_MASK.as_ptr().add(8 - n).cast()) }
