@@ -5,7 +5,10 @@
 //! *vertical* reductions (running max `mᵢ` and sum `lᵢ` per query lane; `Oᵀ` rescaled by
 //! `α = 2^(m_old − m_new)` only when some max rose), then `Oᵀ += Vᵀ·Pᵀ` (V read in place). Q̂ᵀ
 //! is packed once per query block and `Oᵀ` transposed once at the end, so nothing is packed per
-//! key block. The `Lq × Lk` matrix exists only if the caller asks for the weights.
+//! key block. When every visible key fits one block (short sequences) and `Dv` is a lane
+//! multiple, `O = diag(1/l)·P·V` is written straight into the output rows instead (V as the
+//! vector operand), with no `Oᵀ` and no transpose back. The `Lq × Lk` matrix exists only if the
+//! caller asks for the weights.
 //!
 //! Scores are kept in base-2 units: Q̂ is Q pre-multiplied by `scale·log2(e)`, so the exponent is
 //! a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
