@@ -61,6 +61,7 @@ pub(crate) trait Simd: Copy {
     /// (then all 8 may be read); writes only rows `< nc` of `dst`, lanes `< nr` unless
     /// `WIDE_DST` (then all 8 may be written, lanes `≥ nr` with zeros). The default is scalar;
     /// x86 overrides it with masked moves.
+    #[inline(always)]
     unsafe fn transpose8_part<const WIDE_SRC: bool, const WIDE_DST: bool>(
         src: *const f32,
         lds: usize,
