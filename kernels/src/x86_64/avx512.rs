@@ -95,24 +95,7 @@ impl Simd for Avx512 {
         // SAFETY: see the impl comment.
         unsafe { _mm512_reduce_add_ps(a) }
     }
-    #[inline(always)]
-    unsafe fn transpose8(src: *const f32, lds: usize, dst: *mut f32, ldd: usize, k: &[f32; 8]) {
-        // SAFETY: see the impl comment (this ISA implies AVX); extents forwarded.
-        unsafe { super::transpose8_avx(src, lds, dst, ldd, k) }
-    }
-    #[inline(always)]
-    unsafe fn transpose8_part<const WIDE_SRC: bool, const WIDE_DST: bool>(
-        src: *const f32,
-        lds: usize,
-        nr: usize,
-        nc: usize,
-        dst: *mut f32,
-        ldd: usize,
-        k: &[f32; 8],
-    ) {
-        // SAFETY: see the impl comment (this ISA implies AVX); extents forwarded.
-        unsafe { super::transpose8_part_avx::<WIDE_SRC, WIDE_DST>(src, lds, nr, nc, dst, ldd, k) }
-    }
+    avx_transposes!();
     #[inline(always)]
     unsafe fn hsums(v: &[__m512]) -> __m512 {
         // Four levels, each halving the register count: pairs of floats inside 128-bit blocks

@@ -1,6 +1,69 @@
 //! x86-64 register types. The kernels themselves are generic (see `flash.rs`); these modules
 //! only say how each ISA spells the vector operations.
 
+/// The transposes of [`crate::simd::Simd`] for an x86 register type. Both ISAs use the same
+/// 256-bit code, so the AVX2 and AVX-512 impls expand this rather than spell it twice. Only for
+/// impls whose ISA implies AVX.
+macro_rules! avx_transposes {
+    () => {
+        /// 8×8 in AVX: unpack, shuffle, 128-bit permute (24 shuffles for 64 floats).
+        #[inline(always)]
+        unsafe fn transpose8(src: *const f32, lds: usize, dst: *mut f32, ldd: usize, k: &[f32; 8]) {
+            use core::arch::x86_64::*;
+            // SAFETY: the impl's ISA implies AVX; 8 rows of 8 are readable at `src` and
+            // writable at `dst` per the trait's contract.
+            unsafe {
+                let mut r = [_mm256_setzero_ps(); 8];
+                for (i, x) in r.iter_mut().enumerate() {
+                    *x = _mm256_loadu_ps(src.add(i * lds));
+                }
+                for (c, col) in $crate::x86_64::transpose8_regs(&r).iter().enumerate() {
+                    _mm256_storeu_ps(dst.add(c * ldd), _mm256_mul_ps(*col, _mm256_set1_ps(k[c])));
+                }
+            }
+        }
+        /// The `nr` rows loaded (masked to `nc` lanes unless `WIDE_SRC`; the other rows are
+        /// zero), the same shuffles, the `nc` output rows stored (masked to `nr` lanes unless
+        /// `WIDE_DST`). Masked lanes are neither read nor written. Plain moves where the buffers
+        /// allow them: a masked load cannot take its data from a store still in flight (Oᵀ was
+        /// just written), so it waits for the store to retire.
+        #[inline(always)]
+        unsafe fn transpose8_part<const WIDE_SRC: bool, const WIDE_DST: bool>(
+            src: *const f32,
+            lds: usize,
+            nr: usize,
+            nc: usize,
+            dst: *mut f32,
+            ldd: usize,
+            k: &[f32; 8],
+        ) {
+            use core::arch::x86_64::*;
+            use $crate::x86_64::{first_lanes, transpose8_regs};
+            // SAFETY: the impl's ISA implies AVX; `nr, nc ≤ 8` and the corner's extents per the
+            // trait's contract; the masks cover exactly the readable/writable lanes.
+            unsafe {
+                let (cm, rm) = (first_lanes(nc), first_lanes(nr));
+                let mut r = [_mm256_setzero_ps(); 8];
+                for (i, x) in r.iter_mut().enumerate().take(nr) {
+                    *x = if WIDE_SRC {
+                        _mm256_loadu_ps(src.add(i * lds))
+                    } else {
+                        _mm256_maskload_ps(src.add(i * lds), cm)
+                    };
+                }
+                for (c, col) in transpose8_regs(&r).iter().enumerate().take(nc) {
+                    let v = _mm256_mul_ps(*col, _mm256_set1_ps(k[c]));
+                    if WIDE_DST {
+                        _mm256_storeu_ps(dst.add(c * ldd), v);
+                    } else {
+                        _mm256_maskstore_ps(dst.add(c * ldd), rm, v);
+                    }
+                }
+            }
+        }
+    };
+}
+
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 
@@ -27,7 +90,7 @@ pub(crate) unsafe fn first_lanes(n: usize) -> __m256i {
 /// # Safety
 /// AVX enabled in the caller.
 #[inline(always)]
-unsafe fn transpose8_regs(r: &[__m256; 8]) -> [__m256; 8] {
+pub(crate) unsafe fn transpose8_regs(r: &[__m256; 8]) -> [__m256; 8] {
     // SAFETY: register-only shuffles; AVX per the contract above.
     unsafe {
         let mut t = [_mm256_setzero_ps(); 8];
@@ -51,73 +114,5 @@ unsafe fn transpose8_regs(r: &[__m256; 8]) -> [__m256; 8] {
             cols[c + 4] = _mm256_permute2f128_ps::<0x31>(u[c], u[c + 4]);
         }
         cols
-    }
-}
-
-/// The 8×8 transpose of [`crate::simd::Simd::transpose8`] in AVX, shared by the AVX2 and
-/// AVX-512 paths.
-///
-/// # Safety
-/// AVX enabled in the caller; 8 readable rows of 8 floats at `src` (stride `lds`) and 8
-/// writable rows at `dst` (stride `ldd`).
-#[inline(always)]
-pub(crate) unsafe fn transpose8_avx(
-    src: *const f32,
-    lds: usize,
-    dst: *mut f32,
-    ldd: usize,
-    k: &[f32; 8],
-) {
-    // SAFETY: per the contract above.
-    unsafe {
-        let mut r = [_mm256_setzero_ps(); 8];
-        for (i, x) in r.iter_mut().enumerate() {
-            *x = _mm256_loadu_ps(src.add(i * lds));
-        }
-        for (c, col) in transpose8_regs(&r).iter().enumerate() {
-            _mm256_storeu_ps(dst.add(c * ldd), _mm256_mul_ps(*col, _mm256_set1_ps(k[c])));
-        }
-    }
-}
-
-/// [`crate::simd::Simd::transpose8_part`] in AVX: the `nr` rows loaded (masked to `nc` lanes
-/// unless `WIDE_SRC`; the other rows are zero), the same shuffles, the `nc` output rows stored
-/// (masked to `nr` lanes unless `WIDE_DST`). Masked lanes are neither read nor written. Plain
-/// moves where the buffers allow them: a masked load cannot take its data from a store still in
-/// flight (Oᵀ was just written), so it waits for the store to retire.
-///
-/// # Safety
-/// AVX enabled in the caller; `nr, nc ≤ 8`; rows `< nr` of `nc` (`WIDE_SRC`: 8) floats readable
-/// at `src`, rows `< nc` of `nr` (`WIDE_DST`: 8) floats writable at `dst`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn transpose8_part_avx<const WIDE_SRC: bool, const WIDE_DST: bool>(
-    src: *const f32,
-    lds: usize,
-    nr: usize,
-    nc: usize,
-    dst: *mut f32,
-    ldd: usize,
-    k: &[f32; 8],
-) {
-    // SAFETY: per the contract above; the masks cover exactly the readable/writable lanes.
-    unsafe {
-        let (cm, rm) = (first_lanes(nc), first_lanes(nr));
-        let mut r = [_mm256_setzero_ps(); 8];
-        for (i, x) in r.iter_mut().enumerate().take(nr) {
-            *x = if WIDE_SRC {
-                _mm256_loadu_ps(src.add(i * lds))
-            } else {
-                _mm256_maskload_ps(src.add(i * lds), cm)
-            };
-        }
-        for (c, col) in transpose8_regs(&r).iter().enumerate().take(nc) {
-            let v = _mm256_mul_ps(*col, _mm256_set1_ps(k[c]));
-            if WIDE_DST {
-                _mm256_storeu_ps(dst.add(c * ldd), v);
-            } else {
-                _mm256_maskstore_ps(dst.add(c * ldd), rm, v);
-            }
-        }
     }
 }
