@@ -37,6 +37,14 @@ BIN=${CARGO_TARGET_DIR:-target}/release/attnbench
 # one thread per task anyway, so no worker is needed.
 export OPENBLAS_NUM_THREADS=1
 
+# Which kernels OpenBLAS runs (attnbench restarts itself with OPENBLAS_CORETYPE set when
+# OpenBLAS picks generic SSE3 kernels on an AVX2/AVX-512 CPU, as 0.3.21 did on the Xeon VM).
+BLAS_CORE=""
+if [[ ${#FEATURES[@]} -gt 0 ]]; then
+    BLAS_CORE=$("$BIN" --b 1 --h 1 --lq 8 --d 8 --impl unfused-blas --threads 1 --reps 1 \
+        --min-time 0 --warmup 0 2>/dev/null | grep -m1 '^OpenBLAS kernels' || true)
+fi
+
 mkdir -p "$OUT"
 rm -f "$OUT"/*.jsonl
 rm -rf "$OUT/rounds"
@@ -45,7 +53,7 @@ rm -rf "$OUT/rounds"
     echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet -- . ':!benches/results' ':!BENCHMARKS.md' 2>/dev/null || echo ' (modified)')"
     echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
     echo "rustc: $(rustc --version)"
-    echo "openblas: $(dpkg-query -W -f='${Version}' libopenblas0-pthread 2>/dev/null || echo 'not installed')"
+    echo "openblas: $(dpkg-query -W -f='${Version}' libopenblas0-pthread 2>/dev/null || echo 'not installed')${BLAS_CORE:+; $BLAS_CORE}"
     echo "torch: $($PYTHON -c 'import torch; print(torch.__version__, torch.backends.cpu.get_cpu_capability())' 2>/dev/null || echo 'not installed')"
     echo "load before the run: $(cut -d' ' -f1-3 /proc/loadavg)"
     if [[ $ROUNDS -gt 1 ]]; then

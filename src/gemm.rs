@@ -19,7 +19,8 @@ pub enum Backend {
     MatrixMultiply,
     /// The system OpenBLAS through `cblas_sgemm` (feature `blas`). Operands whose strides BLAS
     /// cannot express (neither the row nor the column stride is 1) and empty products fall back
-    /// to `matrixmultiply`.
+    /// to `matrixmultiply`. Its speed depends on the kernel set OpenBLAS picked for the CPU: see
+    /// [`crate::unfused::blas_core`].
     #[cfg(feature = "blas")]
     Blas,
 }
@@ -101,6 +102,12 @@ pub fn blas_calls() -> u64 {
     blas::CALLS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The kernel set OpenBLAS picked when it loaded (`openblas_get_corename`), e.g. `SkylakeX`.
+#[cfg(feature = "blas")]
+pub fn blas_core() -> String {
+    blas::core_name()
+}
+
 #[cfg(feature = "blas")]
 mod blas {
     use cblas_sys::{cblas_sgemm, CBLAS_LAYOUT, CBLAS_TRANSPOSE};
@@ -113,6 +120,15 @@ mod blas {
     extern "C" {
         /// OpenBLAS extension (not CBLAS): the number of threads OpenBLAS itself uses.
         fn openblas_set_num_threads(n: c_int);
+        /// OpenBLAS extension: the name of the kernel set chosen when the library loaded.
+        fn openblas_get_corename() -> *const std::os::raw::c_char;
+    }
+
+    pub(super) fn core_name() -> String {
+        // SAFETY: OpenBLAS returns a pointer to a static NUL-terminated string (never null).
+        unsafe { std::ffi::CStr::from_ptr(openblas_get_corename()) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     /// One operand as CBLAS sees it in row-major order: transposed or not, leading dimension.

@@ -77,6 +77,19 @@ pub fn blas_calls() -> u64 {
     crate::gemm::blas_calls()
 }
 
+/// The kernel set the system OpenBLAS chose for this CPU when it loaded (feature `blas`), e.g.
+/// `SkylakeX` or `Haswell`.
+///
+/// OpenBLAS picks it from the CPU model and falls back to a generic SSE3 set (`Prescott`) on a
+/// model it does not know: Debian's 0.3.21 does so on the Xeon VM of BENCHMARKS.md, whose
+/// `sgemm` then runs 7× slower than with its AVX-512 kernels. OpenBLAS reads the override,
+/// `OPENBLAS_CORETYPE` (e.g. `SkylakeX`), only when it loads, so it must be in the process's
+/// environment; `attnbench` sets it and restarts itself when needed.
+#[cfg(feature = "blas")]
+pub fn blas_core() -> String {
+    crate::gemm::blas_core()
+}
+
 fn head(p: &Plan, bh: usize, backend: Backend) {
     let s = p.shape;
     let (b, h) = (bh / s.hq, bh % s.hq);

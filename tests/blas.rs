@@ -138,3 +138,13 @@ fn default_backend_is_blas() {
     assert!(blas_calls() - before >= 4);
     assert!(out.iter().all(|&o| (o - 0.5).abs() < 1e-6));
 }
+
+#[test]
+fn openblas_names_its_kernel_set() {
+    // attnbench decides from this name whether to restart with OPENBLAS_CORETYPE.
+    let core = attnkit::unfused::blas_core();
+    assert!(
+        !core.is_empty() && core.chars().all(|c| c.is_ascii_graphic()),
+        "{core:?}"
+    );
+}

@@ -12,6 +12,8 @@
 //! `4·B·H·Lq·Lk·D / time` (halved for a causal mask when `Lq = Lk`), and that as a percentage of
 //! the FMA peak probed at start for the same thread count. `--help` lists the options.
 
+#[cfg(feature = "blas")]
+mod blas_core;
 mod cases;
 mod impls;
 mod peak;
@@ -328,6 +330,9 @@ fn peak_for(cfg: &Config, threads: usize, cache: &mut BTreeMap<usize, Option<f64
 }
 
 fn main() {
+    // Before anything is measured: may restart the process with OpenBLAS's kernels chosen.
+    #[cfg(feature = "blas")]
+    blas_core::ensure();
     let cfg = match parse_args(std::env::args().skip(1).collect()) {
         Ok(Some(cfg)) => cfg,
         Ok(None) => return,
@@ -545,6 +550,10 @@ fn header(cfg: &Config, chosen: &[Box<dyn Impl>]) {
         },
         if cfg.peak.is_some() { "given (--peak)" } else { "probed" }
     );
+    #[cfg(feature = "blas")]
+    if names.contains(&"unfused-blas") {
+        println!("{}", blas_core::describe());
+    }
 }
 
 fn output(
