@@ -102,11 +102,8 @@ pub fn blas_calls() -> u64 {
     blas::CALLS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// The kernel set OpenBLAS picked when it loaded (`openblas_get_corename`), e.g. `SkylakeX`.
 #[cfg(feature = "blas")]
-pub fn blas_core() -> String {
-    blas::core_name()
-}
+pub(crate) use blas::core_name as blas_core;
 
 #[cfg(feature = "blas")]
 mod blas {
@@ -124,7 +121,8 @@ mod blas {
         fn openblas_get_corename() -> *const std::os::raw::c_char;
     }
 
-    pub(super) fn core_name() -> String {
+    /// The kernel set OpenBLAS picked when it loaded (`openblas_get_corename`), e.g. `SkylakeX`.
+    pub(crate) fn core_name() -> String {
         // SAFETY: OpenBLAS returns a pointer to a static NUL-terminated string (never null).
         unsafe { std::ffi::CStr::from_ptr(openblas_get_corename()) }
             .to_string_lossy()

@@ -26,12 +26,11 @@ fn wanted(avx512: bool, avx2_fma: bool) -> Option<&'static str> {
 /// Whether OpenBLAS's `core` uses the widest vectors the CPU has.
 fn suits(core: &str, avx512: bool, avx2_fma: bool) -> bool {
     let core = core.to_ascii_lowercase();
-    let avx512_sets = ["skylakex", "cooperlake", "sapphirerapids"];
+    let avx512_set = ["skylakex", "cooperlake", "sapphirerapids"].contains(&core.as_str());
     if avx512 {
-        avx512_sets.contains(&core.as_str())
+        avx512_set
     } else if avx2_fma {
-        avx512_sets.contains(&core.as_str())
-            || ["haswell", "zen", "skylake", "alderlake"].contains(&core.as_str())
+        avx512_set || ["haswell", "zen"].contains(&core.as_str())
     } else {
         true
     }
