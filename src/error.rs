@@ -67,10 +67,18 @@ pub enum AttnError {
         /// Tokens it can hold.
         capacity: usize,
     },
-    /// A product of sizes overflows `usize`.
+    /// A product of sizes overflows: past `isize::MAX` elements, more than any buffer can hold
+    /// (or, for loop bounds over empty rows, than any index can count).
     Overflow {
         /// The argument whose extent overflows.
         arg: &'static str,
+    },
+    /// A buffer of a caller-given size could not be allocated (the allocator refused it).
+    Alloc {
+        /// What was being allocated (`"capacity"`, `"out"`, …).
+        arg: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
     },
     /// A parameter value is unusable (for example a non-finite scale).
     BadParam {
@@ -155,7 +163,10 @@ impl fmt::Display for AttnError {
                 f,
                 "KV cache sequence {batch} holds {len} tokens; appending {append} exceeds its capacity {capacity}"
             ),
-            AttnError::Overflow { arg } => write!(f, "`{arg}`: size overflows usize"),
+            AttnError::Overflow { arg } => write!(f, "`{arg}`: size overflows (over isize::MAX elements)"),
+            AttnError::Alloc { arg, bytes } => {
+                write!(f, "`{arg}`: could not allocate {bytes} bytes")
+            }
             AttnError::BadParam { arg, reason } => write!(f, "`{arg}`: {reason}"),
             AttnError::Isa(e) => write!(f, "{e}"),
             AttnError::Config { arg, value, reason } => write!(f, "`{arg}` = {value}: {reason}"),

@@ -2,6 +2,7 @@
 //! `(B, Hkv, capacity, D)` and values `(B, Hkv, capacity, Dv)`, so each (batch, KV head) streams
 //! its rows contiguously.
 
+use crate::alloc::try_zeros;
 use crate::error::{AttnError, Result};
 use crate::options::{Causal, SdpaOptions};
 use crate::pages::AlignedBuf;
@@ -19,9 +20,21 @@ pub struct KvCache {
     cap: usize,
     d: usize,
     dv: usize,
+    /// Element strides of B, H and L in `k` and `v`.
+    ks: [usize; 3],
+    vs: [usize; 3],
     k: AlignedBuf,
     v: AlignedBuf,
     lens: Vec<usize>,
+}
+
+/// An allocation error of the cache's buffers, named after the argument that sized them.
+fn rename(e: AttnError, arg: &'static str) -> AttnError {
+    match e {
+        AttnError::Alloc { bytes, .. } => AttnError::Alloc { arg, bytes },
+        AttnError::Overflow { .. } => AttnError::Overflow { arg },
+        e => e,
+    }
 }
 
 impl KvCache {
@@ -29,27 +42,41 @@ impl KvCache {
     /// (keys) and `dv` (values).
     ///
     /// # Errors
-    /// [`AttnError::Overflow`] if the buffers' sizes overflow.
+    /// [`AttnError::Overflow`] if the buffers' sizes overflow, [`AttnError::Alloc`] if the
+    /// allocator refuses them (nothing is allocated before the sizes are checked).
     pub fn new(b: usize, hkv: usize, capacity: usize, d: usize, dv: usize) -> Result<Self> {
-        let size = |x: usize| {
-            [b, hkv, capacity, x]
-                .iter()
+        let arg = "capacity";
+        // Every product of the caller's sizes that is ever formed (lengths, strides, the row
+        // count of the append loop) is checked, including those a zero dimension would hide.
+        let prod = |dims: &[usize]| -> Result<usize> {
+            dims.iter()
                 .try_fold(1usize, |a, &y| a.checked_mul(y))
-                .ok_or(AttnError::Overflow { arg: "capacity" })
+                .filter(|&n| n <= isize::MAX as usize)
+                .ok_or(AttnError::Overflow { arg })
         };
+        prod(&[b, hkv, capacity])?;
+        let ks = [prod(&[hkv, capacity, d])?, prod(&[capacity, d])?, d];
+        let vs = [prod(&[hkv, capacity, dv])?, prod(&[capacity, dv])?, dv];
+        let (klen, vlen) = (
+            prod(&[b, hkv, capacity, d])?,
+            prod(&[b, hkv, capacity, dv])?,
+        );
+        let lens = try_zeros::<usize>("B", b)?;
         // Decode streams the whole cache per token: ask for huge pages, and start on a cache
         // line (see `pages.rs`).
-        let k = AlignedBuf::zeroed(size(d)?, true);
-        let v = AlignedBuf::zeroed(size(dv)?, true);
+        let k = AlignedBuf::try_zeroed(klen, true).map_err(|e| rename(e, arg))?;
+        let v = AlignedBuf::try_zeroed(vlen, true).map_err(|e| rename(e, arg))?;
         Ok(KvCache {
             b,
             hkv,
             cap: capacity,
             d,
             dv,
+            ks,
+            vs,
             k,
             v,
-            lens: vec![0; b],
+            lens,
         })
     }
 
@@ -85,11 +112,12 @@ impl KvCache {
             }
             check_len(arg, x.data.len(), x.shape, x.strides)?;
         }
+        // `len ≤ cap` always, so `cap − len` is the room left (`len + t` could wrap).
         if let Some((batch, &len)) = self
             .lens
             .iter()
             .enumerate()
-            .find(|(_, &l)| l + t > self.cap)
+            .find(|(_, &l)| t > self.cap - l)
         {
             return Err(AttnError::Capacity {
                 batch,
@@ -98,16 +126,21 @@ impl KvCache {
                 capacity: self.cap,
             });
         }
-        for b in 0..self.b {
-            for h in 0..self.hkv {
-                for i in 0..t {
-                    let row = (b * self.hkv + h) * self.cap + self.lens[b] + i;
-                    let ko = b * k.strides[0] + h * k.strides[1] + i * k.strides[2];
-                    let vo = b * v.strides[0] + h * v.strides[1] + i * v.strides[2];
-                    self.k[row * self.d..(row + 1) * self.d]
-                        .copy_from_slice(&k.data[ko..ko + self.d]);
-                    self.v[row * self.dv..(row + 1) * self.dv]
-                        .copy_from_slice(&v.data[vo..vo + self.dv]);
+        // Empty rows have nothing to copy (and an empty view's strides may point anywhere).
+        for (src, dst, ds, w) in [
+            (k, &mut self.k, self.ks, self.d),
+            (v, &mut self.v, self.vs, self.dv),
+        ] {
+            if w == 0 {
+                continue;
+            }
+            for b in 0..self.b {
+                for h in 0..self.hkv {
+                    for i in 0..t {
+                        let o = b * ds[0] + h * ds[1] + (self.lens[b] + i) * ds[2];
+                        let so = b * src.strides[0] + h * src.strides[1] + i * src.strides[2];
+                        dst[o..o + w].copy_from_slice(&src.data[so..so + w]);
+                    }
                 }
             }
         }
@@ -152,21 +185,13 @@ impl KvCache {
     /// The cached keys as a `(B, Hkv, L, D)` view, `L` the longest sequence.
     pub fn keys(&self) -> Tensor<'_> {
         let l = self.max_len();
-        Tensor::strided(
-            &self.k,
-            [self.b, self.hkv, l, self.d],
-            [self.hkv * self.cap * self.d, self.cap * self.d, self.d],
-        )
+        Tensor::strided(&self.k, [self.b, self.hkv, l, self.d], self.ks)
     }
 
     /// The cached values as a `(B, Hkv, L, Dv)` view, `L` the longest sequence.
     pub fn values(&self) -> Tensor<'_> {
         let l = self.max_len();
-        Tensor::strided(
-            &self.v,
-            [self.b, self.hkv, l, self.dv],
-            [self.hkv * self.cap * self.dv, self.cap * self.dv, self.dv],
-        )
+        Tensor::strided(&self.v, [self.b, self.hkv, l, self.dv], self.vs)
     }
 
     fn max_len(&self) -> usize {

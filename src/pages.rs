@@ -10,6 +10,9 @@
 //! huge pages only where `madvise(MADV_HUGEPAGE)` asked for them when THP is in `madvise` mode
 //! (the common default), so the library asks for its own buffers and offers the call to callers.
 
+use crate::alloc::try_zeros;
+use crate::error::{AttnError, Result};
+
 /// Asks the kernel to back `buf` with transparent huge pages (Linux; elsewhere a no-op).
 ///
 /// Only the 2 MiB-aligned interior of `buf` can get huge pages. Call it on a fresh allocation
@@ -25,7 +28,8 @@
 /// # let _ = advised;
 /// ```
 pub fn advise_huge_pages(buf: &mut [f32]) -> bool {
-    #[cfg(target_os = "linux")]
+    // Miri cannot call `madvise`; the advice never changes what the program computes.
+    #[cfg(all(target_os = "linux", not(miri)))]
     {
         const HUGE: usize = 2 << 20;
         let start = buf.as_mut_ptr() as usize;
@@ -34,11 +38,13 @@ pub fn advise_huge_pages(buf: &mut [f32]) -> bool {
         if hi <= lo {
             return false;
         }
+        // Derived from the buffer's pointer, not cast from the address, to keep its provenance.
+        let p = buf.as_mut_ptr().cast::<u8>().wrapping_add(lo - start);
         // SAFETY: [lo, hi) lies inside `buf`, which we borrow mutably, and is page-aligned.
         // MADV_HUGEPAGE only changes how the range is backed, never its contents.
-        unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) == 0 }
+        unsafe { libc::madvise(p.cast(), hi - lo, libc::MADV_HUGEPAGE) == 0 }
     }
-    #[cfg(not(target_os = "linux"))]
+    #[cfg(any(not(target_os = "linux"), miri))]
     {
         let _ = buf;
         false
@@ -72,15 +78,29 @@ impl AlignedBuf {
     /// ([`advise_huge_pages`]), before the memory is touched.
     ///
     /// # Panics
-    /// If `len + 15` overflows (as `vec!` would for an impossible size).
+    /// If the allocation fails or its size overflows (as `vec!` would); [`AlignedBuf::try_zeroed`]
+    /// returns an error instead.
     pub fn zeroed(len: usize, huge_pages: bool) -> Self {
+        match Self::try_zeroed(len, huge_pages) {
+            Ok(b) => b,
+            Err(e) => panic!("AlignedBuf::zeroed({len}): {e}"),
+        }
+    }
+
+    /// [`AlignedBuf::zeroed`] that reports a size the allocator refuses.
+    ///
+    /// # Errors
+    /// [`AttnError::Overflow`] or [`AttnError::Alloc`] (argument `"AlignedBuf"`).
+    pub fn try_zeroed(len: usize, huge_pages: bool) -> Result<Self> {
         const SLACK: usize = 64 / core::mem::size_of::<f32>() - 1;
-        let mut buf = vec![0.0f32; len.checked_add(SLACK).expect("AlignedBuf: size overflows")];
+        let arg = "AlignedBuf";
+        let total = len.checked_add(SLACK).ok_or(AttnError::Overflow { arg })?;
+        let mut buf = try_zeros::<f32>(arg, total)?;
         if huge_pages {
             advise_huge_pages(&mut buf);
         }
         let off = buf.as_ptr().align_offset(64).min(SLACK);
-        AlignedBuf { buf, off, len }
+        Ok(AlignedBuf { buf, off, len })
     }
 }
 

@@ -1,6 +1,7 @@
 //! Scaled dot-product attention: validation, the task plan, and the parallel loop over the fused
 //! kernel.
 
+use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
 use crate::options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
 use crate::scratch::with_scratch;
@@ -103,19 +104,11 @@ pub fn sdpa(
 /// As [`sdpa`].
 pub fn sdpa_vec(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
     let [b, hq, lq, _] = q.shape;
-    let dv = v.shape[3];
-    let len = [b, hq, lq, dv]
-        .iter()
-        .try_fold(1usize, |acc, &x| acc.checked_mul(x))
-        .ok_or(AttnError::Overflow { arg: "out" })?;
-    let mut buf = vec![0.0f32; len];
-    sdpa(
-        q,
-        k,
-        v,
-        &mut TensorMut::bhld(&mut buf, [b, hq, lq, dv]),
-        opts,
-    )?;
+    let shape = [b, hq, lq, v.shape[3]];
+    // Validate before allocating: a bad argument is reported as such, not as a failed allocation.
+    Plan::validate(q, k, v, shape, opts, &mut Extras::default())?;
+    let mut buf = zeros_for("out", &shape)?;
+    sdpa(q, k, v, &mut TensorMut::bhld(&mut buf, shape), opts)?;
     Ok(buf)
 }
 
@@ -196,10 +189,19 @@ fn mismatch(arg: &'static str, dim: &'static str, expected: usize, got: usize) -
     }
 }
 
+/// `∏ dims`, at most `isize::MAX` (the most elements a buffer can hold, and what keeps every
+/// index and causal offset representable as `isize`).
 fn dense_len(arg: &'static str, dims: &[usize]) -> Result<usize> {
     dims.iter()
         .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .filter(|&n| n <= isize::MAX as usize)
         .ok_or(AttnError::Overflow { arg })
+}
+
+/// Strides with those of size-1 dimensions set to 0: they are never stepped, and a huge one
+/// there would pass validation and then overflow the kernels' signed strides.
+fn used_strides(shape: [usize; 4], strides: [usize; 3]) -> [usize; 3] {
+    core::array::from_fn(|i| if shape[i] == 1 { 0 } else { strides[i] })
 }
 
 fn mask_plan<T>(m: &MaskRef<T>, arg: &'static str, s: &Shape) -> Result<MaskPlan<T>> {
@@ -219,21 +221,46 @@ fn mask_plan<T>(m: &MaskRef<T>, arg: &'static str, s: &Shape) -> Result<MaskPlan
             got: m.data.len(),
         });
     }
-    // Row-major strides, 0 where the mask broadcasts.
+    // Row-major strides, 0 where the mask broadcasts. Saturating: with a zero-sized dimension
+    // the others' products may overflow, and then no element is ever addressed.
     let [mb, mh, mq, lk] = m.shape;
     let st = |n: usize, s: usize| if n == 1 { 0 } else { s };
+    let (row, head) = (lk, mq.saturating_mul(lk));
     Ok(MaskPlan {
         ptr: m.data.as_ptr(),
-        strides: [st(mb, mh * mq * lk), st(mh, mq * lk), st(mq, lk)],
+        strides: [st(mb, mh.saturating_mul(head)), st(mh, head), st(mq, row)],
     })
 }
 
 impl Plan {
+    /// Validates everything and binds `out` as the destination.
     pub(crate) fn new(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         out: &mut TensorMut,
+        opts: &SdpaOptions,
+        extras: &mut Extras,
+    ) -> Result<Plan> {
+        let mut plan = Plan::validate(q, k, v, out.shape, opts, extras)?;
+        check_len("out", out.data.len(), out.shape, out.strides)?;
+        check_disjoint("out", out.shape, out.strides)?;
+        plan.o = out.data.as_mut_ptr();
+        plan.os = if plan.shape.dv == 0 {
+            [0; 3]
+        } else {
+            used_strides(out.shape, out.strides)
+        };
+        Ok(plan)
+    }
+
+    /// Validates the inputs, options and extras against an output of shape `out_shape`; the
+    /// returned plan has no destination yet (null `o`).
+    pub(crate) fn validate(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out_shape: [usize; 4],
         opts: &SdpaOptions,
         extras: &mut Extras,
     ) -> Result<Plan> {
@@ -250,10 +277,10 @@ impl Plan {
         mismatch("v", "B", b, v.shape[0])?;
         mismatch("v", "H", hkv, v.shape[1])?;
         mismatch("v", "Lk", lk, v.shape[2])?;
-        mismatch("out", "B", b, out.shape[0])?;
-        mismatch("out", "H", hq, out.shape[1])?;
-        mismatch("out", "Lq", lq, out.shape[2])?;
-        mismatch("out", "Dv", dv, out.shape[3])?;
+        mismatch("out", "B", b, out_shape[0])?;
+        mismatch("out", "H", hq, out_shape[1])?;
+        mismatch("out", "Lq", lq, out_shape[2])?;
+        mismatch("out", "Dv", dv, out_shape[3])?;
         if hkv == 0 && hq != 0 || hkv != 0 && hq % hkv != 0 {
             return Err(AttnError::HeadRatio { hq, hkv });
         }
@@ -266,8 +293,6 @@ impl Plan {
         check_len("q", q.data.len(), q.shape, q.strides)?;
         check_len("k", k.data.len(), k.shape, k.strides)?;
         check_len("v", v.data.len(), v.shape, v.strides)?;
-        check_len("out", out.data.len(), out.shape, out.strides)?;
-        check_disjoint("out", out.shape, out.strides)?;
         let shape = Shape {
             b,
             hq,
@@ -297,6 +322,10 @@ impl Plan {
                 reason: "must be at least 1",
             });
         }
+        // A window of max(Lq, Lk) keys or more hides nothing: every diagonal `i + offset + 1`
+        // is at most Lq (top-left) or the key length ≤ Lk (bottom-right). Dropping it keeps
+        // `usize::MAX` ("unbounded") and other huge values out of the index arithmetic.
+        let window = opts.window.filter(|&w| w < lq.max(lk));
         // The decode kernel cannot produce weights.
         let path = match choose_path(q.shape, k.shape, opts) {
             Path::Decode if !extras_weights => Path::Decode,
@@ -340,22 +369,28 @@ impl Plan {
         }
         // A zero-width row is never dereferenced: give it stride 0 so no pointer steps past
         // its buffer.
-        let zero_if = |cond: bool, s: [usize; 3]| if cond { [0; 3] } else { s };
+        let strides = |width: usize, t: &Tensor| {
+            if width == 0 {
+                [0; 3]
+            } else {
+                used_strides(t.shape, t.strides)
+            }
+        };
         Ok(Plan {
             isa,
             shape,
             scale,
             causal: opts.causal,
-            window: opts.window,
+            window,
             path,
             q: q.data.as_ptr(),
-            qs: zero_if(d == 0, q.strides),
+            qs: strides(d, q),
             k: k.data.as_ptr(),
-            ks: zero_if(d == 0, k.strides),
+            ks: strides(d, k),
             v: v.data.as_ptr(),
-            vs: zero_if(dv == 0, v.strides),
-            o: out.data.as_mut_ptr(),
-            os: zero_if(dv == 0, out.strides),
+            vs: strides(dv, v),
+            o: core::ptr::null_mut(),
+            os: [0; 3],
             bias,
             mask,
             key_lengths: opts.key_lengths.map(|l| l.as_ptr()),
@@ -367,7 +402,9 @@ impl Plan {
     /// Query rows per task (see [`Q_BLOCK_TALL`]).
     fn q_block(&self) -> usize {
         let s = &self.shape;
-        let kv = s.lk.saturating_mul(s.d + s.dv).saturating_mul(4);
+        let kv =
+            s.lk.saturating_mul(s.d.saturating_add(s.dv))
+                .saturating_mul(4);
         if self.causal.is_none() && kv > KV_L2_BYTES {
             Q_BLOCK_TALL
         } else {
@@ -390,6 +427,10 @@ impl Plan {
         }
         if self.shape.dv == 0 && self.lse.is_null() && self.weights.is_null() {
             return; // nothing to write
+        }
+        let unmasked = self.bias.is_none() && self.mask.is_none() && self.weights.is_null();
+        if self.shape.d == 0 && self.shape.dv == 0 && unmasked {
+            return self.run_lse_only();
         }
         if self.path == Path::Decode {
             return self.run_decode(par);
@@ -422,6 +463,27 @@ impl Plan {
         });
     }
 
+    /// The logsumexp of rows with `D = Dv = 0` and no mask: every visible score is 0, so it is
+    /// the log of the visible key count, found without walking the keys (the views are empty,
+    /// so nothing else bounds `Lk`).
+    fn run_lse_only(&self) {
+        let s = &self.shape;
+        for b in 0..s.b {
+            for h in 0..s.hq {
+                for i in 0..s.lq {
+                    let (lo, hi) = self.key_range(b, i);
+                    let lse = if hi > lo {
+                        ((hi - lo) as f64).ln() as f32
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                    // SAFETY: `lse` holds `B·Hq·Lq` values (validated) and is not null here.
+                    unsafe { *self.lse.add((b * s.hq + h) * s.lq + i) = lse };
+                }
+            }
+        }
+    }
+
     /// Whether [`Plan::for_each`] spreads `n` tasks over the rayon pool.
     fn parallel(&self, par: Par, n: usize) -> bool {
         cfg!(feature = "rayon") && par == Par::Rayon && n > 1 && self.work() >= PAR_MIN_WORK
@@ -430,9 +492,15 @@ impl Plan {
     /// Multiply-adds of the whole call (for the sequential/parallel decision).
     pub(crate) fn work(&self) -> usize {
         let s = &self.shape;
-        [s.b, s.hq, s.lq, s.lk.max(1), (s.d + s.dv).max(1)]
-            .iter()
-            .fold(1usize, |a, &x| a.saturating_mul(x))
+        [
+            s.b,
+            s.hq,
+            s.lq,
+            s.lk.max(1),
+            s.d.saturating_add(s.dv).max(1),
+        ]
+        .iter()
+        .fold(1usize, |a, &x| a.saturating_mul(x))
     }
 
     /// Runs `f(0..n)` on the rayon pool, or inline when `par` is `Seq` or the call is small.
@@ -468,6 +536,7 @@ impl Plan {
             let diag = i as isize + off + 1;
             hi = hi.min(diag.max(0) as usize);
             if let Some(w) = self.window {
+                // `window < max(Lq, Lk) ≤ isize::MAX` (see `Plan::validate`).
                 lo = (diag - w as isize).max(0) as usize;
             }
         }

@@ -581,7 +581,8 @@ fn size_products_that_overflow() {
         &Tensor::bhld(&q, [BIG, 1, 0, 1]),
         &SdpaOptions::new(),
     );
-    assert_eq!(r, Err(AttnError::Overflow { arg: "out" }));
+    // The inputs are validated before the output is sized: B·Hq already overflows in `q`.
+    assert_eq!(r, Err(AttnError::Overflow { arg: "q" }));
 }
 
 /// A dense view whose element count overflows is reported as `Overflow` by the call, rather than

@@ -148,7 +148,8 @@ impl Lines {
             p,
             ld,
             per_row: n.div_ceil(16),
-            rows,
+            // Empty rows (D or Dv = 0) have no lines: `next` would never reach a row's end.
+            rows: if n == 0 { 0 } else { rows },
             row: 0,
             line: 0,
         }

@@ -78,6 +78,12 @@ pub struct FlashArgs {
     pub ldw: usize,
 }
 
+/// A window length as a signed distance: windows past `isize::MAX` keys (e.g. `usize::MAX` for
+/// "unbounded") behave as `isize::MAX`, which no key index can reach, instead of wrapping negative.
+pub(crate) fn window_isize(w: usize) -> isize {
+    isize::try_from(w).unwrap_or(isize::MAX)
+}
+
 /// Key block length used by the fused kernel.
 pub const fn key_block(d: usize) -> usize {
     if d <= 128 {
@@ -137,7 +143,9 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
     // First visible key of row r (sliding window).
     let lower = |r: usize| -> usize {
         match (a.window, a.causal) {
-            (Some(w), Some(off)) => ((a.row0 + r) as isize + off + 1 - w as isize).max(0) as usize,
+            (Some(w), Some(off)) => ((a.row0 + r) as isize + off + 1)
+                .saturating_sub(window_isize(w))
+                .max(0) as usize,
             _ => 0,
         }
     };
@@ -366,18 +374,24 @@ unsafe fn mask_block<S: Simd>(a: &FlashArgs, j0: usize, nb: usize, mp: usize, s:
     unsafe {
         for j in 0..nb {
             let jj = j0 + j;
-            let row = &mut s[j * mp..j * mp + a.m];
+            // The fill works a whole vector at a time, so it takes the lane-padded row; the
+            // per-row loops below take only its first m values.
+            let padded = &mut s[j * mp..(j + 1) * mp];
             if let Some(off) = a.causal {
                 // Key jj is hidden from query rows r with row0 + r + off < jj.
                 let hidden = (jj as isize - off - a.row0 as isize).clamp(0, a.m as isize) as usize;
-                fill_neg_inf::<S>(row.as_mut_ptr(), hidden);
+                fill_neg_inf::<S>(padded.as_mut_ptr(), hidden);
                 if let Some(w) = a.window {
                     // ... and from rows r with row0 + r + off + 1 − window > jj.
-                    let first = (jj as isize + w as isize - off - a.row0 as isize)
+                    let first = (jj as isize)
+                        .saturating_add(window_isize(w))
+                        .saturating_sub(off)
+                        .saturating_sub(a.row0 as isize)
                         .clamp(0, a.m as isize) as usize;
-                    row[first..].fill(f32::NEG_INFINITY);
+                    padded[first..a.m].fill(f32::NEG_INFINITY);
                 }
             }
+            let row = &mut padded[..a.m];
             if !a.bias.is_null() {
                 for (r, x) in row.iter_mut().enumerate() {
                     *x += *a.bias.add(r * a.ldbias + jj) * LOG2E;
@@ -521,21 +535,24 @@ pub(crate) unsafe fn softmax<S: Simd>(x: &mut [f32]) {
     let w = S::W;
     let n = x.len();
     let full = n / w * w;
-    // SAFETY: vector accesses stay below `full`, a lane multiple ≤ n; the tail is scalar.
+    // Every access goes through `p`, one raw pointer taken once: re-borrowing `x` for the
+    // scalar tail while `p` is live would invalidate `p` (Stacked and Tree Borrows).
+    let p = x.as_mut_ptr();
+    // SAFETY: vector accesses stay below `full`, a lane multiple ≤ n; scalar ones below n.
     unsafe {
-        let p = x.as_mut_ptr();
         let mut mv = S::splat(f32::NEG_INFINITY);
         for c in (0..full).step_by(w) {
             mv = S::max(mv, S::load(p.add(c)));
         }
         let mut mx = S::hmax(mv);
-        for &v in &x[full..] {
+        for i in full..n {
+            let v = *p.add(i);
             if v > mx || v.is_nan() {
                 mx = v;
             }
         }
         if mx == f32::NEG_INFINITY {
-            x.fill(0.0);
+            core::ptr::write_bytes(p, 0, n);
             return;
         }
         // Subtract before converting to base 2: exact near the max, where it matters.
@@ -547,16 +564,17 @@ pub(crate) unsafe fn softmax<S: Simd>(x: &mut [f32]) {
             sv = S::add(sv, e);
         }
         let mut sum = S::hsum(sv);
-        for v in &mut x[full..] {
-            *v = ((*v - mx) * LOG2E).exp2();
-            sum += *v;
+        for i in full..n {
+            let e = ((*p.add(i) - mx) * LOG2E).exp2();
+            *p.add(i) = e;
+            sum += e;
         }
         let inv = S::splat(1.0 / sum);
         for c in (0..full).step_by(w) {
             S::store(p.add(c), S::mul(S::load(p.add(c)), inv));
         }
-        for v in &mut x[full..] {
-            *v /= sum;
+        for i in full..n {
+            *p.add(i) /= sum;
         }
     }
 }

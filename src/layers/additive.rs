@@ -2,7 +2,8 @@
 
 use super::linear::{project, Exec};
 use super::state_dict::{join, StateDict};
-use super::{product, run_tasks, SendPtr, Tokens};
+use super::{check_qkv, product, run_tasks, SendConst, SendPtr, Tokens};
+use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
 use crate::gemm::{sgemm, Backend};
 use crate::options::{AttnMask, Par};
@@ -339,17 +340,19 @@ impl AdditiveAttention {
         values: &Tokens,
         opts: &AdditiveOptions,
     ) -> Result<AdditiveOutput> {
+        self.check_inputs(queries, keys, values)?;
         let [b, lq, _] = queries.shape;
         let (lk, dv) = (keys.shape[1], values.shape[2]);
-        let mut out = vec![0.0f32; product("out", &[b, lq, dv])?];
+        let mut out = zeros_for("out", &[b, lq, dv])?;
         let shape = if queries.is_seq_first() {
             [lq, b, dv]
         } else {
             [b, lq, dv]
         };
-        let n = product("weights", &[b, lq, lk])?;
-        let mut weights = opts.need_weights.then(|| vec![0.0f32; n]);
-        let mut scores = opts.need_scores.then(|| vec![0.0f32; n]);
+        let dims = [b, lq, lk];
+        let need = |yes: bool, arg| yes.then(|| zeros_for(arg, &dims)).transpose();
+        let mut weights = need(opts.need_weights, "weights")?;
+        let mut scores = need(opts.need_scores, "scores")?;
         self.forward_into(
             queries,
             keys,
@@ -365,6 +368,14 @@ impl AdditiveAttention {
             weights,
             scores,
         })
+    }
+
+    fn check_inputs(&self, queries: &Tokens, keys: &Tokens, values: &Tokens) -> Result<()> {
+        check_qkv(
+            ["queries", "keys", "values"],
+            [queries, keys, values],
+            [Some(self.dq), Some(self.dk), None],
+        )
     }
 
     /// [`AdditiveAttention::forward`] into caller buffers: `out` dense in the query's memory
@@ -387,29 +398,9 @@ impl AdditiveAttention {
             Some(isa) => isa.check()?,
             None => Isa::detect()?,
         };
-        queries.validate("queries", Some(self.dq))?;
-        keys.validate("keys", Some(self.dk))?;
-        values.validate("values", None)?;
+        self.check_inputs(queries, keys, values)?;
         let [b, lq, _] = queries.shape;
         let (lk, dv, a) = (keys.shape[1], values.shape[2], self.a);
-        for (arg, t) in [("keys", keys), ("values", values)] {
-            if t.shape[0] != b {
-                return Err(AttnError::ShapeMismatch {
-                    arg,
-                    dim: "B",
-                    expected: b,
-                    got: t.shape[0],
-                });
-            }
-        }
-        if values.shape[1] != lk {
-            return Err(AttnError::ShapeMismatch {
-                arg: "values",
-                dim: "L",
-                expected: lk,
-                got: values.shape[1],
-            });
-        }
         let needed = product("out", &[b, lq, dv])?;
         if out.len() != needed {
             return Err(AttnError::BufferLength {
@@ -431,11 +422,14 @@ impl AdditiveAttention {
             }
         }
         // Mask: (1|B, 1, 1|Lq, Lk) dense; broadcast strides.
-        let (mut bias_p, mut mask_p) = ((0usize, [0usize; 2]), (0usize, [0usize; 2]));
+        let (mut bias_p, mut mask_p) = (
+            (SendConst(core::ptr::null::<f32>()), [0usize; 2]),
+            (SendConst(core::ptr::null::<bool>()), [0usize; 2]),
+        );
         if let Some(m) = opts.mask {
-            let (shape, len, addr) = match m {
-                AttnMask::Bool(r) => (r.shape, r.data.len(), r.data.as_ptr() as usize),
-                AttnMask::Bias(r) => (r.shape, r.data.len(), r.data.as_ptr() as usize),
+            let (shape, len) = match m {
+                AttnMask::Bool(r) => (r.shape, r.data.len()),
+                AttnMask::Bias(r) => (r.shape, r.data.len()),
             };
             let [mb, mh, mq, mk] = shape;
             if !((mb == 1 || mb == b) && mh == 1 && (mq == 1 || mq == lq) && mk == lk) {
@@ -458,8 +452,8 @@ impl AdditiveAttention {
                 if mq == 1 { 0 } else { mk },
             ];
             match m {
-                AttnMask::Bool(_) => mask_p = (addr, st),
-                AttnMask::Bias(_) => bias_p = (addr, st),
+                AttnMask::Bool(r) => mask_p = (SendConst(r.data.as_ptr()), st),
+                AttnMask::Bias(r) => bias_p = (SendConst(r.data.as_ptr()), st),
             }
         }
         if let Some(lens) = opts.key_lengths {
@@ -480,7 +474,7 @@ impl AdditiveAttention {
         };
 
         // q′ = queries·W_qᵀ + b, dense (B, Lq, A).
-        let mut qp = vec![0.0f32; product("queries", &[b, lq, a])?];
+        let mut qp = zeros_for("queries", &[b, lq, a])?;
         // SAFETY: `queries` validated with width Dq; `w_q` is `A × Dq`; `qp` is dense (B, Lq, A).
         unsafe {
             project(
@@ -500,12 +494,12 @@ impl AdditiveAttention {
             .checked_next_multiple_of(ADDITIVE_KEY_PAD)
             .ok_or(AttnError::Overflow { arg: "keys" })?;
         let per_b = product("keys", &[a, ldkt])?;
-        let mut kt = vec![0.0f32; product("keys", &[b, per_b])?];
+        let mut kt = zeros_for("keys", &[b, per_b])?;
         if self.dk > 0 && lk > 0 {
             let kblocks = lk.div_ceil(K_BLOCK);
             let (kp, wk, ktp) = (
-                keys.data.as_ptr() as usize,
-                self.w_k.as_ptr() as usize,
+                SendConst(keys.data.as_ptr()),
+                SendConst(self.w_k.as_ptr()),
                 SendPtr(kt.as_mut_ptr()),
             );
             let [ksb, ksl] = keys.strides;
@@ -522,10 +516,10 @@ impl AdditiveAttention {
                         dk,
                         nc,
                         1.0,
-                        wk as *const f32,
+                        wk.get(),
                         dk as isize,
                         1,
-                        (kp as *const f32).add(bi * ksb + j0 * ksl),
+                        kp.get().add(bi * ksb + j0 * ksl),
                         1,
                         ksl as isize,
                         0.0,
@@ -542,10 +536,10 @@ impl AdditiveAttention {
         let qblocks = lq.div_ceil(Q_BLOCK);
         let (vsb, vsl) = (values.strides[0], values.strides[1]);
         let ptrs = (
-            qp.as_ptr() as usize,
-            kt.as_ptr() as usize,
-            self.v.as_ptr() as usize,
-            values.data.as_ptr() as usize,
+            SendConst(qp.as_ptr()),
+            SendConst(kt.as_ptr()),
+            SendConst(self.v.as_ptr()),
+            SendConst(values.data.as_ptr()),
             SendPtr(out.as_mut_ptr()),
             SendPtr(weights.map_or(core::ptr::null_mut(), |w| w.as_mut_ptr())),
             SendPtr(scores.map_or(core::ptr::null_mut(), |w| w.as_mut_ptr())),
@@ -571,25 +565,25 @@ impl AdditiveAttention {
                     a,
                     dv,
                     key_len: lens.map_or(lk, |l| l[bi]),
-                    qp: (ptrs.0 as *const f32).add((bi * lq + row0) * a),
+                    qp: ptrs.0.get().add((bi * lq + row0) * a),
                     ldq: a,
-                    kpt: (ptrs.1 as *const f32).add(bi * per_b),
+                    kpt: ptrs.1.get().add(bi * per_b),
                     ldkt,
-                    wv: ptrs.2 as *const f32,
-                    v: (ptrs.3 as *const f32).wrapping_add(bi * vsb),
+                    wv: ptrs.2.get(),
+                    v: ptrs.3.get().wrapping_add(bi * vsb),
                     ldv: vsl,
                     o: ptrs.4.get().wrapping_add(bi * os[0] + row0 * os[1]),
                     ldo: os[1],
-                    bias: if bias_p.0 == 0 {
+                    bias: if bias_p.0.get().is_null() {
                         core::ptr::null()
                     } else {
-                        (bias_p.0 as *const f32).add(bi * bias_p.1[0] + row0 * bias_p.1[1])
+                        bias_p.0.get().add(bi * bias_p.1[0] + row0 * bias_p.1[1])
                     },
                     ldbias: bias_p.1[1],
-                    mask: if mask_p.0 == 0 {
+                    mask: if mask_p.0.get().is_null() {
                         core::ptr::null()
                     } else {
-                        (mask_p.0 as *const bool).add(bi * mask_p.1[0] + row0 * mask_p.1[1])
+                        mask_p.0.get().add(bi * mask_p.1[0] + row0 * mask_p.1[1])
                     },
                     ldmask: mask_p.1[1],
                     scores: opt_add(ptrs.6.get()),

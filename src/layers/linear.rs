@@ -2,7 +2,8 @@
 //! split over rayon tasks by fixed row blocks.
 
 use super::state_dict::{join, StateDict};
-use super::{product, run_tasks, SendPtr, Tokens};
+use super::{product, run_tasks, SendConst, SendPtr, Tokens};
+use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
 use crate::gemm::{sgemm, Backend};
 use crate::options::Par;
@@ -58,7 +59,11 @@ pub(crate) unsafe fn project(
         (b, l, xb, xl, ys[0], ys[1])
     };
     let blocks = rows.div_ceil(ROW_BLOCK);
-    let (xp, wp, yp) = (x.data.as_ptr() as usize, w.as_ptr() as usize, SendPtr(y));
+    let (xp, wp, yp) = (
+        SendConst(x.data.as_ptr()),
+        SendConst(w.as_ptr()),
+        SendPtr(y),
+    );
     let work = b.saturating_mul(l).saturating_mul(k).saturating_mul(n);
     run_tasks(exec.par, mats * blocks, work, |t| {
         let (mat, blk) = (t / blocks, t % blocks);
@@ -67,7 +72,7 @@ pub(crate) unsafe fn project(
         // SAFETY: rows `r0..r0+m` of matrix `mat` exist in `x` and `y` per the contract; the
         // tasks' row ranges are disjoint, so their writes to `y` are too.
         unsafe {
-            let a = (xp as *const f32).add(mat * xo + r0 * xr);
+            let a = xp.get().add(mat * xo + r0 * xr);
             let c = yp.get().add(mat * yo + r0 * yr);
             let beta = match bias {
                 Some(bias) => {
@@ -95,7 +100,7 @@ pub(crate) unsafe fn project(
                 a,
                 xr as isize,
                 1,
-                wp as *const f32,
+                wp.get(),
                 1,
                 ldw as isize,
                 beta,
@@ -217,7 +222,7 @@ impl Linear {
     pub fn forward(&self, x: &Tokens, par: Par) -> Result<Vec<f32>> {
         x.validate("x", Some(self.in_features))?;
         let [b, l, _] = x.shape;
-        let mut y = vec![0.0f32; product("y", &[b, l, self.out_features])?];
+        let mut y = zeros_for("y", &[b, l, self.out_features])?;
         let exec = Exec {
             par,
             backend: Backend::default(),

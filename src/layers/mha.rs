@@ -3,7 +3,8 @@
 
 use super::linear::{project, Exec, Linear};
 use super::state_dict::{join, StateDict};
-use super::{product, Tokens};
+use super::{check_qkv, product, Tokens};
+use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
 use crate::gemm::Backend;
 use crate::options::{Causal, Extras, MaskRef, Par, SdpaOptions};
@@ -105,6 +106,18 @@ impl MhaConfig {
         }
         let kdim = positive("kdim", self.kdim.unwrap_or(e))?;
         let vdim = positive("vdim", self.vdim.unwrap_or(e))?;
+        // Every weight and bias length the layer forms is at most 3·E·max(E, kdim, vdim).
+        let widest = e.max(kdim).max(vdim);
+        if e.checked_mul(3)
+            .and_then(|r| r.checked_mul(widest))
+            .is_none_or(|n| n > isize::MAX as usize)
+        {
+            return Err(AttnError::Config {
+                arg: "embed_dim",
+                value: e,
+                reason: format!("with kdim = {kdim}, vdim = {vdim} the weights cannot be held"),
+            });
+        }
         Ok((e, h, hkv, e / h, kdim, vdim))
     }
 }
@@ -383,7 +396,7 @@ impl Core {
     fn project_parts(&self, exec: Exec, x: &Tokens, p0: usize, p1: usize) -> Result<Proj> {
         let [b, l, k] = x.shape;
         let width: usize = (p0..p1).map(|p| self.rows(p)).sum();
-        let mut buf = vec![0.0f32; product("projection", &[b, l, width])?];
+        let mut buf = zeros_for("projection", &[b, l, width])?;
         let strides = x.dense_strides(width);
         let bias = self
             .bias
@@ -410,6 +423,11 @@ impl Core {
         })
     }
 
+    fn check_inputs(&self, query: &Tokens, key: &Tokens, value: &Tokens) -> Result<()> {
+        let [q, k, v] = self.e_in.map(Some);
+        check_qkv(["query", "key", "value"], [query, key, value], [q, k, v])
+    }
+
     /// The forward pass into `out` (dense, query order) and optionally `weights`.
     pub(crate) fn forward_into(
         &self,
@@ -424,29 +442,9 @@ impl Core {
             Some(isa) => isa.check()?,
             None => Isa::detect()?,
         };
-        query.validate("query", Some(self.e_in[0]))?;
-        key.validate("key", Some(self.e_in[1]))?;
-        value.validate("value", Some(self.e_in[2]))?;
+        self.check_inputs(query, key, value)?;
         let [b, lq, _] = query.shape;
         let lk = key.shape[1];
-        for (arg, t) in [("key", key), ("value", value)] {
-            if t.shape[0] != b {
-                return Err(AttnError::ShapeMismatch {
-                    arg,
-                    dim: "B",
-                    expected: b,
-                    got: t.shape[0],
-                });
-            }
-        }
-        if value.shape[1] != lk {
-            return Err(AttnError::ShapeMismatch {
-                arg: "value",
-                dim: "L",
-                expected: lk,
-                got: value.shape[1],
-            });
-        }
         let ew = self.out_width();
         let needed = product("out", &[b, lq, ew])?;
         if out.len() != needed {
@@ -537,7 +535,7 @@ impl Core {
         let extras_weights: Option<&mut [f32]> = match weights.as_deref_mut() {
             Some(w) if !average || h == 1 => Some(w),
             Some(_) => {
-                per_head = Some(vec![0.0f32; product("attn_weights", &[b, h, lq, lk])?]);
+                per_head = Some(zeros_for("attn_weights", &[b, h, lq, lk])?);
                 per_head.as_deref_mut()
             }
             None => None,
@@ -547,7 +545,7 @@ impl Core {
         let target: &mut [f32] = match &self.out {
             None => &mut *out,
             Some(_) => {
-                ctx = vec![0.0f32; product("context", &[b, lq, h * dv])?];
+                ctx = zeros_for("context", &[b, lq, h, dv])?;
                 &mut ctx
             }
         };
@@ -594,10 +592,11 @@ impl Core {
         value: &Tokens,
         opts: &MhaOptions,
     ) -> Result<LayerOutput> {
+        self.check_inputs(query, key, value)?;
         let [b, lq, _] = query.shape;
         let (h, lk) = (self.h, key.shape[1]);
         let ew = self.out_width();
-        let mut out = vec![0.0f32; product("out", &[b, lq, ew])?];
+        let mut out = zeros_for("out", &[b, lq, ew])?;
         let shape = if query.is_seq_first() {
             [lq, b, ew]
         } else {
@@ -609,7 +608,7 @@ impl Core {
             (true, false) => vec![b, h, lq, lk],
         };
         let mut weights = if opts.need_weights {
-            Some(vec![0.0f32; product("attn_weights", &weights_shape)?])
+            Some(zeros_for("attn_weights", &weights_shape)?)
         } else {
             None
         };

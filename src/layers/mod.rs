@@ -53,6 +53,36 @@ pub(crate) fn product(arg: &'static str, dims: &[usize]) -> crate::Result<usize>
         .ok_or(crate::AttnError::Overflow { arg })
 }
 
+/// Validates a layer's query, key and value inputs (named `names`): each buffer covers its view
+/// and has the given width, keys and values have the query's batch size, and values the keys'
+/// length. Layers call it before allocating anything sized by these inputs.
+pub(crate) fn check_qkv(
+    names: [&'static str; 3],
+    [q, k, v]: [&Tokens; 3],
+    widths: [Option<usize>; 3],
+) -> crate::Result<()> {
+    q.validate(names[0], widths[0])?;
+    k.validate(names[1], widths[1])?;
+    v.validate(names[2], widths[2])?;
+    let mismatch = |arg, dim, expected, got| {
+        Err(crate::AttnError::ShapeMismatch {
+            arg,
+            dim,
+            expected,
+            got,
+        })
+    };
+    for (arg, t) in [(names[1], k), (names[2], v)] {
+        if t.shape[0] != q.shape[0] {
+            return mismatch(arg, "B", q.shape[0], t.shape[0]);
+        }
+    }
+    if v.shape[1] != k.shape[1] {
+        return mismatch(names[2], "L", k.shape[1], v.shape[1]);
+    }
+    Ok(())
+}
+
 /// A raw pointer that may cross into rayon tasks; each task writes a disjoint part of the buffer
 /// it points into (argued at each use).
 #[derive(Clone, Copy)]
@@ -70,3 +100,20 @@ impl SendPtr {
 unsafe impl Send for SendPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SendPtr {}
+
+/// A read-only raw pointer that may cross into rayon tasks: the buffer it points into is
+/// borrowed by the caller, which waits for all of them, and nobody writes it meanwhile. (Passing
+/// the address as a `usize` instead would drop the pointer's provenance.)
+#[derive(Clone, Copy)]
+pub(crate) struct SendConst<T>(pub(crate) *const T);
+
+impl<T> SendConst<T> {
+    /// The pointer (a method, as [`SendPtr::get`]).
+    pub(crate) fn get(self) -> *const T {
+        self.0
+    }
+}
+// SAFETY: only shared reads of `T: Sync` data happen through it, while the data is borrowed.
+unsafe impl<T: Sync> Send for SendConst<T> {}
+// SAFETY: as above.
+unsafe impl<T: Sync> Sync for SendConst<T> {}

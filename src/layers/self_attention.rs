@@ -5,6 +5,7 @@ use super::linear::Linear;
 use super::mha::{Core, LayerOutput, MhaOptions};
 use super::state_dict::{join, StateDict};
 use super::Tokens;
+use crate::alloc::try_zeros;
 use crate::error::{AttnError, Result};
 
 /// Single-head attention with three `nn.Linear` projections (`query`, `key`, `value`, biases
@@ -76,17 +77,33 @@ impl SelfAttention {
                 got: vec![key.out_features, key.in_features],
             });
         }
+        // The packed bias holds 2·d + dv values; a weight with a zero dimension can declare
+        // any width at no cost, so the width is checked and the bias allocated fallibly.
+        let rows = d
+            .checked_mul(2)
+            .and_then(|r| r.checked_add(value.out_features))
+            .filter(|&r| r <= isize::MAX as usize)
+            .ok_or(AttnError::Overflow {
+                arg: "value.out_features",
+            })?;
         let has_bias = [
             query.bias.is_some(),
             key.bias.is_some(),
             value.bias.is_some(),
         ];
-        let bias = has_bias.contains(&true).then(|| {
-            [&query, &key, &value]
-                .iter()
-                .flat_map(|l| l.bias.clone().unwrap_or_else(|| vec![0.0; l.out_features]))
-                .collect()
-        });
+        let bias = if has_bias.contains(&true) {
+            let mut packed = try_zeros::<f32>("bias", rows)?;
+            let mut off = 0;
+            for l in [&query, &key, &value] {
+                if let Some(b) = &l.bias {
+                    packed[off..off + b.len()].copy_from_slice(b);
+                }
+                off += l.out_features;
+            }
+            Some(packed)
+        } else {
+            None
+        };
         let e_in = [query.in_features, key.in_features, value.in_features];
         let dv = value.out_features;
         let mut w = query.weight;

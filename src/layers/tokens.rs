@@ -33,7 +33,8 @@ impl<'a> Tokens<'a> {
         Tokens {
             data,
             shape: [b, l, e],
-            strides: [l * e, e],
+            // Saturating, as `Layout::strides`: an impossible shape fails validation instead.
+            strides: [l.saturating_mul(e), e],
         }
     }
     /// Dense `(L, B, E)` memory (PyTorch's default `batch_first=False`); `shape` is given in that
@@ -43,7 +44,7 @@ impl<'a> Tokens<'a> {
         Tokens {
             data,
             shape: [b, l, e],
-            strides: [e, b * e],
+            strides: [e, b.saturating_mul(e)],
         }
     }
     /// One unbatched sequence `(L, E)` (B = 1).
@@ -98,9 +99,9 @@ impl<'a> Tokens<'a> {
     pub(crate) fn dense_strides(&self, n: usize) -> [usize; 2] {
         let [b, l, _] = self.shape;
         if self.is_seq_first() {
-            [n, b * n]
+            [n, b.saturating_mul(n)]
         } else {
-            [l * n, n]
+            [l.saturating_mul(n), n]
         }
     }
 }

@@ -1,0 +1,73 @@
+//! Fallible, zero-filled allocation for buffers whose size comes from the caller.
+//!
+//! `vec![0.0; n]` aborts the process when the allocator refuses `n`, and sizes that reach it
+//! here (a KV cache's capacity, a layer's output) are the caller's, possibly from an untrusted
+//! checkpoint. These helpers return [`AttnError::Alloc`] instead. They allocate through
+//! `alloc_zeroed`, as `vec!` does, so large buffers map untouched zero pages (which huge-page
+//! advice needs: see `pages.rs`).
+
+use crate::error::{AttnError, Result};
+use std::alloc::{alloc_zeroed, Layout};
+use std::ptr::NonNull;
+
+/// Element types whose all-zero bit pattern is the value zero.
+///
+/// # Safety
+/// All-zero bytes must be a valid value of the type.
+pub(crate) unsafe trait Zeroable: Copy {}
+// SAFETY: all-zero bits are 0.0 / 0.
+unsafe impl Zeroable for f32 {}
+// SAFETY: as above.
+unsafe impl Zeroable for usize {}
+
+/// `n` zeros, or [`AttnError::Overflow`] / [`AttnError::Alloc`] naming `arg`.
+pub(crate) fn try_zeros<T: Zeroable>(arg: &'static str, n: usize) -> Result<Vec<T>> {
+    let layout = Layout::array::<T>(n).map_err(|_| AttnError::Overflow { arg })?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: the layout has a non-zero size (both element types are non-zero-sized).
+    let ptr = unsafe { alloc_zeroed(layout) };
+    let ptr = NonNull::new(ptr.cast::<T>()).ok_or(AttnError::Alloc {
+        arg,
+        bytes: layout.size(),
+    })?;
+    // SAFETY: allocated by the global allocator with the layout of `[T; n]`, zero-filled, and
+    // zero bytes are valid `T`s (`Zeroable`); the Vec takes ownership.
+    Ok(unsafe { Vec::from_raw_parts(ptr.as_ptr(), n, n) })
+}
+
+/// `∏ dims` zeros (see [`try_zeros`]).
+pub(crate) fn zeros_for(arg: &'static str, dims: &[usize]) -> Result<Vec<f32>> {
+    let n = dims
+        .iter()
+        .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .ok_or(AttnError::Overflow { arg })?;
+    try_zeros(arg, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "Miri reports resource exhaustion instead of a null pointer"
+    )]
+    fn refuses_what_cannot_be_allocated() {
+        assert_eq!(
+            try_zeros::<f32>("x", usize::MAX).unwrap_err(),
+            AttnError::Overflow { arg: "x" }
+        );
+        // 2^61 bytes is a valid layout that no machine can back.
+        assert!(matches!(
+            try_zeros::<f32>("x", 1 << 59),
+            Err(AttnError::Alloc { arg: "x", .. })
+        ));
+        assert_eq!(try_zeros::<usize>("x", 3).unwrap(), vec![0usize; 3]);
+        assert!(try_zeros::<f32>("x", 0).unwrap().is_empty());
+        assert_eq!(zeros_for("x", &[2, 3]).unwrap().len(), 6);
+        assert!(zeros_for("x", &[usize::MAX, 2]).is_err());
+    }
+}

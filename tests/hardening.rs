@@ -1,0 +1,635 @@
+//! Regression tests for what fuzzing, Miri and debug builds found (issue #20): each test names
+//! its finding. Shapes are tiny so that the whole file also runs under Miri (`.ci/run`), where
+//! the undefined-behaviour findings are caught; allocation-failure tests are skipped there.
+//! Without a release build's wrapping, the overflow findings panic in a debug build, which CI
+//! runs too.
+
+mod common;
+
+use attnkit::kernels::{
+    decode_partial, partial_len, softmax_row, DecodeArgs, DecodeRow, DecodeWalk,
+};
+use attnkit::{
+    sdpa, sdpa_ext, sdpa_vec, AdditiveAttention, AdditiveOptions, AttnError, Causal, Extras,
+    KvCache, Linear, MaskRef, MhaConfig, MhaOptions, MultiheadAttention, Par, Path, SdpaOptions,
+    SelfAttention, StateDict, Tensor, TensorMut, Tokens,
+};
+use common::{close, isas, reference, Dims, Problem, RefMask, ATOL, RTOL};
+
+/// Small deterministic values in [-1, 1).
+fn vals(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 37 + seed * 101) % 23) as f32 / 11.5 - 1.0)
+        .collect()
+}
+
+fn opts_for(isa: attnkit::Isa) -> SdpaOptions<'static> {
+    SdpaOptions::new().isa(isa).par(Par::Seq)
+}
+
+/// Miri, Stacked and Tree Borrows: the row softmax used a raw pointer after re-borrowing the
+/// row for its scalar tail.
+#[test]
+fn softmax_row_with_a_tail() {
+    for isa in isas() {
+        for n in [1, 7, 9, 17, 33] {
+            let mut x = vec![0.5f32; n];
+            softmax_row(isa, &mut x);
+            for &p in &x {
+                assert!(close(p, 1.0 / n as f64, 1e-7, 1e-6), "{isa} n={n}: {p}");
+            }
+        }
+    }
+}
+
+/// Miri, Stacked Borrows: the causal fill of the prefill mask pass wrote a whole vector past
+/// the end of a row's sub-slice, with causal plus a mask, a bias, weights or a window.
+#[test]
+fn prefill_causal_with_mask_bias_weights_and_window() {
+    let dims = Dims {
+        b: 1,
+        hq: 1,
+        hkv: 1,
+        lq: 9,
+        lk: 11,
+        d: 3,
+        dv: 5,
+    };
+    let (q, k, v) = (vals(9 * 3, 1), vals(11 * 3, 2), vals(11 * 5, 3));
+    let mask: Vec<bool> = (0..9 * 11).map(|i| i % 5 != 3).collect();
+    let bias = vals(9 * 11, 4);
+    for isa in isas() {
+        for (window, masked, biased) in [
+            (None, true, false),
+            (None, false, true),
+            (Some(4), false, false),
+        ] {
+            let mut opts = opts_for(isa)
+                .causal(Causal::BottomRight)
+                .path(Path::Prefill);
+            let mut ref_mask = RefMask::None;
+            if masked {
+                opts = opts.bool_mask(MaskRef::new(&mask, [1, 1, 9, 11]));
+                ref_mask = RefMask::Bool(&mask, [1, 1, 9, 11]);
+            }
+            if biased {
+                opts = opts.bias(MaskRef::new(&bias, [1, 1, 9, 11]));
+                ref_mask = RefMask::Bias(&bias, [1, 1, 9, 11]);
+            }
+            if let Some(w) = window {
+                opts = opts.window(w);
+            }
+            let mut out = vec![0.0f32; 9 * 5];
+            let mut weights = vec![0.0f32; 9 * 11];
+            sdpa_ext(
+                &Tensor::bhld(&q, dims.q()),
+                &Tensor::bhld(&k, dims.k()),
+                &Tensor::bhld(&v, dims.v()),
+                &mut TensorMut::bhld(&mut out, dims.out()),
+                &opts,
+                Extras {
+                    lse: None,
+                    weights: Some(&mut weights),
+                },
+            )
+            .unwrap();
+            let want = reference(&Problem {
+                dims,
+                q: &q,
+                k: &k,
+                v: &v,
+                scale: 1.0 / 3f64.sqrt(),
+                causal: Some(Causal::BottomRight),
+                window,
+                mask: ref_mask,
+                key_lengths: None,
+            });
+            for (i, (&g, &w)) in out.iter().zip(&want.out).enumerate() {
+                assert!(
+                    close(g, w, ATOL, RTOL),
+                    "{isa} {window:?} out[{i}] {g} vs {w}"
+                );
+            }
+            for (i, (&g, &w)) in weights.iter().zip(&want.w).enumerate() {
+                assert!(
+                    close(g, w, ATOL, RTOL),
+                    "{isa} {window:?} weights[{i}] {g} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+/// Silent wrong result: a window of 2^63 keys or more (`usize::MAX` meant as "unbounded")
+/// wrapped negative and hid every key, on both kernels.
+#[test]
+fn huge_window_means_no_window() {
+    let dims = Dims {
+        b: 1,
+        hq: 2,
+        hkv: 1,
+        lq: 3,
+        lk: 6,
+        d: 4,
+        dv: 4,
+    };
+    let (q, k, v) = (vals(2 * 3 * 4, 5), vals(6 * 4, 6), vals(6 * 4, 7));
+    for isa in isas() {
+        for path in [Path::Prefill, Path::Decode] {
+            for causal in [Causal::TopLeft, Causal::BottomRight] {
+                let run = |window: Option<usize>| {
+                    let mut opts = opts_for(isa).causal(causal).path(path);
+                    if let Some(w) = window {
+                        opts = opts.window(w);
+                    }
+                    let (mut out, mut lse) = (vec![0.0f32; 2 * 3 * 4], vec![0.0f32; 6]);
+                    sdpa_ext(
+                        &Tensor::bhld(&q, dims.q()),
+                        &Tensor::bhld(&k, dims.k()),
+                        &Tensor::bhld(&v, dims.v()),
+                        &mut TensorMut::bhld(&mut out, dims.out()),
+                        &opts,
+                        Extras {
+                            lse: Some(&mut lse),
+                            weights: None,
+                        },
+                    )
+                    .unwrap();
+                    (out, lse)
+                };
+                let want = run(None);
+                for w in [6, 1 << 40, (1 << 63) - 1, 1 << 63, usize::MAX] {
+                    assert_eq!(run(Some(w)), want, "{isa} {path:?} {causal:?} window {w}");
+                }
+            }
+        }
+    }
+}
+
+/// Hang: the decode kernel's prefetch walk never advanced over empty rows (`D = 0`, or
+/// `Dv = 0` with lse asked for). Called on the kernel with each walk forced.
+#[test]
+fn decode_kernel_with_empty_rows_returns() {
+    let k = vals(64 * 4, 8);
+    for isa in isas() {
+        for walk in [DecodeWalk::Prefetch, DecodeWalk::Streams] {
+            for (d, dv) in [(0, 4), (4, 0), (0, 0)] {
+                let q = vals(4, 9);
+                let rows = [DecodeRow {
+                    q: q.as_ptr(),
+                    hi: 64,
+                    lo: 0,
+                    bias: core::ptr::null(),
+                    mask: core::ptr::null(),
+                }];
+                let args = DecodeArgs {
+                    rows: &rows,
+                    d,
+                    dv,
+                    k: k.as_ptr(),
+                    ldk: d,
+                    v: k.as_ptr(),
+                    ldv: dv,
+                    j_begin: 0,
+                    j_end: 64,
+                    scale: 0.5,
+                    walk,
+                };
+                let mut part = vec![f32::NAN; partial_len(dv)];
+                let mut scratch = vec![0.0f32; attnkit::kernels::decode_scratch_len(d, dv)];
+                // SAFETY: K and V hold 64 rows of `d`/`dv` values (`k` has 256 floats); `q` has
+                // `d ≤ 4` values; the partial row has `dv + 2` floats; the ISA is supported.
+                unsafe { decode_partial(isa, &args, part.as_mut_ptr(), 0, &mut scratch) };
+                assert!(
+                    part.iter().all(|x| x.is_finite()),
+                    "{isa} {walk:?} d={d} dv={dv}"
+                );
+            }
+        }
+    }
+}
+
+/// Hang: with `D = Dv = 0` and lse asked for, prefill walked every key of an `Lk` that no
+/// memory backs (1.8 s at 2^28; here 2^40). The answer is ln(visible keys), or −inf.
+#[test]
+fn empty_rows_with_huge_key_count_return_at_once() {
+    let lk = 1usize << 40;
+    for path in [Path::Prefill, Path::Decode] {
+        for causal in [None, Some(Causal::TopLeft), Some(Causal::BottomRight)] {
+            let mut opts = SdpaOptions::new().path(path);
+            if let Some(c) = causal {
+                opts = opts.causal(c);
+            }
+            let mut lse = vec![0.0f32; 2];
+            sdpa_ext(
+                &Tensor::bhld(&[], [1, 1, 2, 0]),
+                &Tensor::bhld(&[], [1, 1, lk, 0]),
+                &Tensor::bhld(&[], [1, 1, lk, 0]),
+                &mut TensorMut::bhld(&mut [], [1, 1, 2, 0]),
+                &opts,
+                Extras {
+                    lse: Some(&mut lse),
+                    weights: None,
+                },
+            )
+            .unwrap();
+            let visible = |i: usize| match causal {
+                None => lk,
+                Some(Causal::TopLeft) => i + 1,
+                Some(Causal::BottomRight) => lk - 1 + i,
+            };
+            for (i, &got) in lse.iter().enumerate() {
+                let want = (visible(i) as f64).ln() as f32;
+                assert_eq!(got, want, "{path:?} {causal:?} row {i}");
+            }
+        }
+    }
+}
+
+/// Hang and wrap: `append` of a huge token count with empty rows looped that many times, and
+/// `len + t` could wrap past the capacity check.
+#[test]
+fn kv_cache_append_of_empty_rows_is_bounded() {
+    let cap = 1usize << 62;
+    let mut cache = KvCache::new(1, 1, cap, 0, 0).unwrap();
+    let t = 1usize << 61;
+    let e = Tensor::bhld(&[], [1, 1, t, 0]);
+    cache.append(&e, &e).unwrap();
+    assert_eq!(cache.lens(), [t]);
+    let big = Tensor::bhld(&[], [1, 1, usize::MAX - 1, 0]);
+    assert!(matches!(
+        cache.append(&big, &big),
+        Err(AttnError::Capacity { batch: 0, .. })
+    ));
+    assert_eq!(cache.lens(), [t], "a refused append changes nothing");
+}
+
+/// Release-build panic: appending a strided empty K view (`D = 0`, strides pointing past the
+/// empty buffer) indexed the buffer anyway.
+#[test]
+fn kv_cache_append_of_strided_empty_keys() {
+    let mut cache = KvCache::new(1, 1, 4, 0, 1).unwrap();
+    let k = Tensor::strided(&[], [1, 1, 2, 0], [0, 0, 8]);
+    let v = [1.0f32, 2.0];
+    cache.append(&k, &Tensor::bhld(&v, [1, 1, 2, 1])).unwrap();
+    assert_eq!(cache.lens(), [2]);
+    let mut out = [0.0f32];
+    cache
+        .attend(
+            &Tensor::bhld(&[], [1, 1, 1, 0]),
+            &mut TensorMut::bhld(&mut out, [1, 1, 1, 1]),
+            &SdpaOptions::new(),
+        )
+        .unwrap();
+    assert_eq!(out, [1.5], "D = 0: the mean of the values");
+}
+
+/// Allocation before validation: sizes no machine can back are an error, not an abort.
+#[test]
+#[cfg_attr(miri, ignore = "huge allocations")]
+fn kv_cache_sizes_that_cannot_be_allocated() {
+    // 2^40 tokens × 8 heads × 128 floats: 4 PiB each for K and V.
+    let e = KvCache::new(1, 8, 1 << 40, 128, 128).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            AttnError::Alloc {
+                arg: "capacity",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // 2^46 sequences: their lengths alone are 512 TiB.
+    let e = KvCache::new(1 << 46, 1, 1, 0, 0).unwrap_err();
+    assert!(matches!(e, AttnError::Alloc { arg: "B", .. }), "{e}");
+    // Sizes whose products overflow, including those a zero dimension hides.
+    for dims in [
+        [1, 1 << 32, 1 << 32, 1, 1],
+        [0, 1 << 40, 1 << 40, 1 << 40, 1],
+        [1, 1, usize::MAX, 0, 0],
+    ] {
+        let [b, h, c, d, dv] = dims;
+        assert!(
+            matches!(
+                KvCache::new(b, h, c, d, dv),
+                Err(AttnError::Overflow { .. })
+            ),
+            "{dims:?}"
+        );
+    }
+}
+
+/// Debug-build overflow: `keys()` of a cache with B = 0 multiplied the other sizes unchecked.
+#[test]
+fn kv_cache_with_no_sequences() {
+    let cache = KvCache::new(0, 4, 8, 16, 16).unwrap();
+    assert_eq!(cache.keys().shape(), [0, 4, 0, 16]);
+    let mut out = [];
+    cache
+        .attend(
+            &Tensor::bhld(&[], [0, 4, 1, 16]),
+            &mut TensorMut::bhld(&mut out, [0, 4, 1, 16]),
+            &SdpaOptions::new(),
+        )
+        .unwrap();
+}
+
+/// Allocation before validation: `sdpa_vec` allocated `B·Hq·Lq·Dv` before looking at the
+/// inputs.
+#[test]
+#[cfg_attr(miri, ignore = "huge allocations")]
+fn sdpa_vec_validates_then_allocates_fallibly() {
+    let v = vec![0.0f32; 1 << 10];
+    // 2^40 queries (D = 0, so Q needs no memory) × Dv = 2^10: a 4 PiB output.
+    let (q, k) = (
+        Tensor::bhld(&[], [1, 1, 1 << 40, 0]),
+        Tensor::bhld(&[], [1, 1, 1, 0]),
+    );
+    let e = sdpa_vec(
+        &q,
+        &k,
+        &Tensor::bhld(&v, [1, 1, 1, 1 << 10]),
+        &SdpaOptions::new(),
+    );
+    assert!(
+        matches!(e, Err(AttnError::Alloc { arg: "out", .. })),
+        "{e:?}"
+    );
+    // A bad argument is reported as such, before any allocation.
+    let e = sdpa_vec(
+        &q,
+        &k,
+        &Tensor::bhld(&v, [1, 1, 2, 1 << 9]),
+        &SdpaOptions::new(),
+    );
+    assert!(
+        matches!(
+            e,
+            Err(AttnError::ShapeMismatch {
+                arg: "v",
+                dim: "Lk",
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+}
+
+/// Debug-build overflows in the planning of calls with zero-sized dimensions: `D + Dv` with
+/// no heads, and a mask's strides with a zero-sized batch.
+#[test]
+fn zero_sized_dimensions_with_huge_others() {
+    let e: [f32; 0] = [];
+    let opts = SdpaOptions::new();
+    // No heads, D = Dv = usize::MAX.
+    let s = [1, 0, 1, usize::MAX];
+    sdpa(
+        &Tensor::bhld(&e, s),
+        &Tensor::bhld(&e, s),
+        &Tensor::bhld(&e, s),
+        &mut TensorMut::bhld(&mut [], s),
+        &opts,
+    )
+    .unwrap();
+    // B = 0, and a full-size mask whose other dimensions multiply past usize.
+    let (h, l) = (1 << 10, 1 << 31);
+    let mask = MaskRef::new(&[], [0, h, l, l]);
+    let (qs, ks) = ([0, h, l, 0], [0, h, l, 0]);
+    sdpa(
+        &Tensor::bhld(&e, qs),
+        &Tensor::bhld(&e, ks),
+        &Tensor::bhld(&e, ks),
+        &mut TensorMut::bhld(&mut [], qs),
+        &SdpaOptions::new().bool_mask(mask),
+    )
+    .unwrap();
+    // Lk past isize::MAX cannot be indexed: an overflow error, not wrapped offsets.
+    let r = sdpa(
+        &Tensor::bhld(&e, [1, 1, 1, 0]),
+        &Tensor::bhld(&e, [1, 1, usize::MAX, 0]),
+        &Tensor::bhld(&e, [1, 1, usize::MAX, 0]),
+        &mut TensorMut::bhld(&mut [], [1, 1, 1, 0]),
+        &SdpaOptions::new().causal(Causal::BottomRight),
+    );
+    assert!(matches!(r, Err(AttnError::Overflow { .. })), "{r:?}");
+}
+
+/// Debug-build overflow: `Tokens` constructors (documented never to fail) multiplied their
+/// sizes unchecked; an impossible view now fails when a layer validates it.
+#[test]
+fn tokens_with_huge_or_zero_sizes() {
+    let x = [0.0f32; 8];
+    let views = [
+        Tokens::batch_first(&x, [1, 1 << 40, 1 << 40]),
+        Tokens::seq_first(&x, [1 << 40, 1 << 40, 8]),
+        Tokens::batch_first(&x, [0, usize::MAX, usize::MAX]),
+        Tokens::seq_first(&x, [usize::MAX, 0, usize::MAX]),
+        Tokens::batch_first(&x, [0, usize::MAX, 8]),
+        Tokens::seq_first(&x, [0, usize::MAX, 8]),
+    ];
+    let lin = Linear::new(vec![0.0; 8], None, 1, 8).unwrap();
+    for t in &views {
+        // Either refused (buffer too short / overflow) or empty (a zero dimension).
+        if let Ok(y) = lin.forward(t, Par::Seq) {
+            assert!(y.is_empty());
+        }
+    }
+}
+
+/// Allocation before validation: the layers allocated their outputs before validating the
+/// query, so a huge query shape over a tiny buffer aborted instead of failing.
+#[test]
+fn layers_validate_before_allocating() {
+    let x = [0.0f32; 8];
+    let huge = Tokens::batch_first(&x, [1 << 40, 1 << 20, 8]);
+    let small = Tokens::batch_first(&x, [1, 1, 8]);
+    let mut sd = StateDict::new();
+    sd.insert("in_proj_weight", &[24, 8], &[0.0; 192]).unwrap();
+    sd.insert("in_proj_bias", &[24], &[0.0; 24]).unwrap();
+    sd.insert("out_proj.weight", &[8, 8], &[0.0; 64]).unwrap();
+    sd.insert("out_proj.bias", &[8], &[0.0; 8]).unwrap();
+    let mha = MultiheadAttention::from_state_dict(MhaConfig::new(8, 2), &sd, "").unwrap();
+    let e = mha
+        .forward(&huge, &small, &small, &MhaOptions::new())
+        .unwrap_err();
+    assert!(
+        matches!(e, AttnError::BufferLength { arg: "query", .. }),
+        "{e}"
+    );
+    let add =
+        AdditiveAttention::new(vec![0.0; 16], vec![0.0; 16], None, vec![1.0; 2], 2, 8, 8).unwrap();
+    let e = add
+        .forward(&huge, &small, &small, &AdditiveOptions::new())
+        .unwrap_err();
+    assert!(
+        matches!(e, AttnError::BufferLength { arg: "queries", .. }),
+        "{e}"
+    );
+    // The layers still work on the small input.
+    assert_eq!(
+        mha.forward(&small, &small, &small, &MhaOptions::new())
+            .unwrap()
+            .out
+            .len(),
+        8
+    );
+}
+
+/// Debug-build overflow: `MhaConfig::new(1 << 63, 1)` formed `3·E` unchecked.
+#[test]
+fn mha_config_too_large_to_hold() {
+    for (e, h) in [(1usize << 63, 1), (usize::MAX, 1), (1 << 40, 1 << 20)] {
+        let r = MultiheadAttention::from_state_dict(MhaConfig::new(e, h), &StateDict::new(), "");
+        assert!(
+            matches!(
+                r,
+                Err(AttnError::Config {
+                    arg: "embed_dim",
+                    ..
+                })
+            ),
+            "{e}: {r:?}"
+        );
+    }
+}
+
+/// A `[huge, 0]` weight holds no values, so a 300-byte checkpoint can declare any width: the
+/// layers then refuse (overflow) or fail to allocate, never abort or overflow.
+#[test]
+#[cfg_attr(miri, ignore = "huge allocations")]
+fn checkpoints_with_huge_empty_weights() {
+    let file = |rows: [usize; 3], bias: bool| {
+        let mut sd = StateDict::new();
+        for (name, r) in ["query", "key", "value"].into_iter().zip(rows) {
+            sd.insert(format!("{name}.weight"), &[r, 0], &[]).unwrap();
+        }
+        if bias {
+            sd.insert("value.bias", &[rows[2]], &vec![0.0; rows[2]])
+                .unwrap();
+        }
+        let bytes = sd.to_safetensors().unwrap();
+        assert!(bytes.len() < 400);
+        StateDict::from_safetensors(&bytes).unwrap()
+    };
+    // The packed bias would be 2^47 + 1 floats.
+    let e = SelfAttention::from_state_dict(&file([1 << 46, 1 << 46, 1], true), "").unwrap_err();
+    assert!(matches!(e, AttnError::Alloc { .. }), "{e}");
+    // Widths whose sum overflows.
+    let e = SelfAttention::from_state_dict(&file([1 << 63, 1 << 63, 1], false), "").unwrap_err();
+    assert!(matches!(e, AttnError::Overflow { .. }), "{e}");
+    // Loads (no bias to pack), but its projection cannot be allocated.
+    let layer = SelfAttention::from_state_dict(&file([1 << 46, 1 << 46, 1], false), "").unwrap();
+    let x = Tokens::batch_first(&[], [1, 1, 0]);
+    let e = layer.forward(&x, &MhaOptions::new()).unwrap_err();
+    assert!(matches!(e, AttnError::Alloc { .. }), "{e}");
+    // `Linear` with out_features 2^46 and in_features 0.
+    let lin = Linear::new(vec![], None, 1 << 46, 0).unwrap();
+    let e = lin.forward(&x, Par::Seq).unwrap_err();
+    assert!(matches!(e, AttnError::Alloc { arg: "y", .. }), "{e}");
+}
+
+/// Miri: the layers passed their buffers to rayon tasks as `usize` addresses, which drops the
+/// pointers' provenance. A small forward of each layer, checked against plain arithmetic.
+#[test]
+fn layers_small_forward() {
+    // Linear: y = x·Wᵀ + b.
+    let w = vals(3 * 4, 10);
+    let b = vals(3, 11);
+    let x = vals(2 * 4, 12);
+    let lin = Linear::new(w.clone(), Some(b.clone()), 3, 4).unwrap();
+    let y = lin
+        .forward(&Tokens::batch_first(&x, [1, 2, 4]), Par::Rayon)
+        .unwrap();
+    for t in 0..2 {
+        for o in 0..3 {
+            let want: f64 = b[o] as f64
+                + (0..4)
+                    .map(|i| (x[t * 4 + i] * w[o * 4 + i]) as f64)
+                    .sum::<f64>();
+            assert!(close(y[t * 3 + o], want, 1e-6, 1e-6));
+        }
+    }
+    // Additive attention with a mask and key lengths: the weights sum to one per row.
+    let (a, dq, dk, dv, lq, lk) = (4, 3, 5, 2, 2, 3);
+    let layer = AdditiveAttention::new(
+        vals(a * dq, 13),
+        vals(a * dk, 14),
+        Some(vals(a, 15)),
+        vals(a, 16),
+        a,
+        dq,
+        dk,
+    )
+    .unwrap();
+    let (q, k, v) = (vals(lq * dq, 17), vals(lk * dk, 18), vals(lk * dv, 19));
+    let mask = [true, false, true, true, true, false];
+    let lens = [3];
+    let opts = AdditiveOptions::new()
+        .outputs(true, false)
+        .mask(attnkit::AttnMask::Bool(MaskRef::new(&mask, [1, 1, lq, lk])))
+        .key_lengths(&lens)
+        .par(Par::Rayon);
+    let r = layer
+        .forward(
+            &Tokens::batch_first(&q, [1, lq, dq]),
+            &Tokens::batch_first(&k, [1, lk, dk]),
+            &Tokens::batch_first(&v, [1, lk, dv]),
+            &opts,
+        )
+        .unwrap();
+    let w = r.weights.unwrap();
+    for i in 0..lq {
+        let row = &w[i * lk..(i + 1) * lk];
+        assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        for j in 0..lk {
+            assert_eq!(row[j] == 0.0, !mask[i * lk + j]);
+        }
+    }
+}
+
+/// Miri: the CPU-vendor check behind the decode walk runs CPUID, which Miri cannot; and the
+/// decode path end to end (GQA group, split chunks merged) on a KV cache.
+#[test]
+fn kv_cache_decode_matches_reference() {
+    let (b, hq, hkv, d) = (2, 4, 2, 5);
+    let mut cache = KvCache::new(b, hkv, 8, d, d).unwrap();
+    let (k, v) = (vals(b * hkv * 3 * d, 20), vals(b * hkv * 3 * d, 21));
+    let kv = |x| Tensor::bhld(x, [b, hkv, 3, d]);
+    cache.append(&kv(&k), &kv(&v)).unwrap();
+    cache.truncate(1, 2).unwrap();
+    let q = vals(b * hq * d, 22);
+    for isa in isas() {
+        let mut out = vec![0.0f32; b * hq * d];
+        cache
+            .attend(
+                &Tensor::bhld(&q, [b, hq, 1, d]),
+                &mut TensorMut::bhld(&mut out, [b, hq, 1, d]),
+                &opts_for(isa).path(Path::Decode),
+            )
+            .unwrap();
+        let dims = Dims {
+            b,
+            hq,
+            hkv,
+            lq: 1,
+            lk: 3,
+            d,
+            dv: d,
+        };
+        let want = reference(&Problem {
+            dims,
+            q: &q,
+            k: &k,
+            v: &v,
+            scale: 1.0 / (d as f64).sqrt(),
+            causal: Some(Causal::BottomRight),
+            window: None,
+            mask: RefMask::None,
+            key_lengths: Some(&[3, 2]),
+        });
+        for (i, (&g, &w)) in out.iter().zip(&want.out).enumerate() {
+            assert!(close(g, w, ATOL, RTOL), "{isa} out[{i}] {g} vs {w}");
+        }
+    }
+}
