@@ -90,7 +90,8 @@ pub struct SdpaOptions<'a> {
     /// sees `j ≤ i + key_lengths[b] − Lq`), as a ragged KV cache needs.
     pub key_lengths: Option<&'a [usize]>,
     /// Sliding window (needs `causal`): each query sees only the `window` most recent keys up to
-    /// its diagonal, i.e. `j > i + offset − window`.
+    /// its diagonal, i.e. `j > i + offset − window`. At least 1; a window of `max(Lq, Lk)` or
+    /// more hides nothing (`usize::MAX` reads as "unbounded").
     pub window: Option<usize>,
     /// Kernel choice; [`Path::Auto`] by default.
     pub path: Path,

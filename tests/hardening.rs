@@ -27,6 +27,27 @@ fn opts_for(isa: attnkit::Isa) -> SdpaOptions<'static> {
     SdpaOptions::new().isa(isa).par(Par::Seq)
 }
 
+/// `sdpa_ext` on dense BHLD inputs; returns the output.
+fn call(
+    dims: Dims,
+    [q, k, v]: [&[f32]; 3],
+    opts: &SdpaOptions,
+    lse: Option<&mut [f32]>,
+    weights: Option<&mut [f32]>,
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; dims.out().iter().product()];
+    sdpa_ext(
+        &Tensor::bhld(q, dims.q()),
+        &Tensor::bhld(k, dims.k()),
+        &Tensor::bhld(v, dims.v()),
+        &mut TensorMut::bhld(&mut out, dims.out()),
+        opts,
+        Extras { lse, weights },
+    )
+    .unwrap();
+    out
+}
+
 /// Miri, Stacked and Tree Borrows: the row softmax used a raw pointer after re-borrowing the
 /// row for its scalar tail.
 #[test]
@@ -82,20 +103,8 @@ fn prefill_causal_with_mask_bias_weights_and_window() {
                 if let Some(w) = window {
                     opts = opts.window(w);
                 }
-                let mut out = vec![0.0f32; lq * dv];
                 let mut weights = vec![0.0f32; lq * lk];
-                sdpa_ext(
-                    &Tensor::bhld(&q, dims.q()),
-                    &Tensor::bhld(&k, dims.k()),
-                    &Tensor::bhld(&v, dims.v()),
-                    &mut TensorMut::bhld(&mut out, dims.out()),
-                    &opts,
-                    Extras {
-                        lse: None,
-                        weights: Some(&mut weights),
-                    },
-                )
-                .unwrap();
+                let out = call(dims, [&q, &k, &v], &opts, None, Some(&mut weights));
                 let want = reference(&Problem {
                     dims,
                     q: &q,
@@ -142,20 +151,8 @@ fn huge_window_means_no_window() {
                     if let Some(w) = window {
                         opts = opts.window(w);
                     }
-                    let (mut out, mut lse) = (vec![0.0f32; 2 * 3 * 4], vec![0.0f32; 6]);
-                    sdpa_ext(
-                        &Tensor::bhld(&q, dims.q()),
-                        &Tensor::bhld(&k, dims.k()),
-                        &Tensor::bhld(&v, dims.v()),
-                        &mut TensorMut::bhld(&mut out, dims.out()),
-                        &opts,
-                        Extras {
-                            lse: Some(&mut lse),
-                            weights: None,
-                        },
-                    )
-                    .unwrap();
-                    (out, lse)
+                    let mut lse = vec![0.0f32; 6];
+                    (call(dims, [&q, &k, &v], &opts, Some(&mut lse), None), lse)
                 };
                 let (want_out, want_lse) = run(None);
                 for w in [6, 1 << 40, (1 << 63) - 1, 1 << 63, usize::MAX] {
