@@ -37,13 +37,18 @@ pub(crate) fn try_zeros<T: Zeroable>(arg: &'static str, n: usize) -> Result<Vec<
     Ok(unsafe { Vec::from_raw_parts(ptr.as_ptr(), n, n) })
 }
 
+/// `∏ dims`, at most `isize::MAX` (the most elements a buffer can hold, and what keeps every
+/// index and offset representable as `isize`), or [`AttnError::Overflow`] naming `arg`.
+pub(crate) fn checked_len(arg: &'static str, dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or(AttnError::Overflow { arg })
+}
+
 /// `∏ dims` zeros (see [`try_zeros`]).
 pub(crate) fn zeros_for(arg: &'static str, dims: &[usize]) -> Result<Vec<f32>> {
-    let n = dims
-        .iter()
-        .try_fold(1usize, |a, &x| a.checked_mul(x))
-        .ok_or(AttnError::Overflow { arg })?;
-    try_zeros(arg, n)
+    try_zeros(arg, checked_len(arg, dims)?)
 }
 
 #[cfg(test)]

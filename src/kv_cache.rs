@@ -2,7 +2,7 @@
 //! `(B, Hkv, capacity, D)` and values `(B, Hkv, capacity, Dv)`, so each (batch, KV head) streams
 //! its rows contiguously.
 
-use crate::alloc::try_zeros;
+use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
 use crate::options::{Causal, SdpaOptions};
 use crate::pages::AlignedBuf;
@@ -48,12 +48,7 @@ impl KvCache {
         let arg = "capacity";
         // Every product of the caller's sizes that is ever formed (lengths, strides, the row
         // count of the append loop) is checked, including those a zero dimension would hide.
-        let prod = |dims: &[usize]| -> Result<usize> {
-            dims.iter()
-                .try_fold(1usize, |a, &y| a.checked_mul(y))
-                .filter(|&n| n <= isize::MAX as usize)
-                .ok_or(AttnError::Overflow { arg })
-        };
+        let prod = |dims: &[usize]| checked_len(arg, dims);
         prod(&[b, hkv, capacity])?;
         let ks = [prod(&[hkv, capacity, d])?, prod(&[capacity, d])?, d];
         let vs = [prod(&[hkv, capacity, dv])?, prod(&[capacity, dv])?, dv];

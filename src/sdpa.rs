@@ -1,7 +1,7 @@
 //! Scaled dot-product attention: validation, the task plan, and the parallel loop over the fused
 //! kernel.
 
-use crate::alloc::zeros_for;
+use crate::alloc::{checked_len, zeros_for};
 use crate::error::{AttnError, Result};
 use crate::options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
 use crate::scratch::with_scratch;
@@ -189,19 +189,17 @@ fn mismatch(arg: &'static str, dim: &'static str, expected: usize, got: usize) -
     }
 }
 
-/// `∏ dims`, at most `isize::MAX` (the most elements a buffer can hold, and what keeps every
-/// index and causal offset representable as `isize`).
-fn dense_len(arg: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter()
-        .try_fold(1usize, |a, &x| a.checked_mul(x))
-        .filter(|&n| n <= isize::MAX as usize)
-        .ok_or(AttnError::Overflow { arg })
-}
-
-/// Strides with those of size-1 dimensions set to 0: they are never stepped, and a huge one
-/// there would pass validation and then overflow the kernels' signed strides.
-fn used_strides(shape: [usize; 4], strides: [usize; 3]) -> [usize; 3] {
-    core::array::from_fn(|i| if shape[i] == 1 { 0 } else { strides[i] })
+/// The strides the kernels step by for rows `width` wide: none for empty rows (they are never
+/// dereferenced, so no pointer steps past an empty buffer), and 0 for size-1 dimensions (never
+/// stepped; a huge one there would pass validation, then overflow the kernels' signed strides).
+fn used_strides(width: usize, shape: [usize; 4], strides: [usize; 3]) -> [usize; 3] {
+    core::array::from_fn(|i| {
+        if width == 0 || shape[i] == 1 {
+            0
+        } else {
+            strides[i]
+        }
+    })
 }
 
 fn mask_plan<T>(m: &MaskRef<T>, arg: &'static str, s: &Shape) -> Result<MaskPlan<T>> {
@@ -213,7 +211,7 @@ fn mask_plan<T>(m: &MaskRef<T>, arg: &'static str, s: &Shape) -> Result<MaskPlan
         }
     }
     mismatch(arg, "Lk", s.lk, m.shape[3])?;
-    let needed = dense_len(arg, &m.shape)?;
+    let needed = checked_len(arg, &m.shape)?;
     if m.data.len() != needed {
         return Err(AttnError::BufferLength {
             arg,
@@ -246,11 +244,7 @@ impl Plan {
         check_len("out", out.data.len(), out.shape, out.strides)?;
         check_disjoint("out", out.shape, out.strides)?;
         plan.o = out.data.as_mut_ptr();
-        plan.os = if plan.shape.dv == 0 {
-            [0; 3]
-        } else {
-            used_strides(out.shape, out.strides)
-        };
+        plan.os = used_strides(plan.shape.dv, out.shape, out.strides);
         Ok(plan)
     }
 
@@ -286,10 +280,10 @@ impl Plan {
         }
         // Task counts and loop bounds multiply these; with empty rows (D = Dv = 0) the buffers
         // cannot bound them, so check them here.
-        dense_len("q", &[b, hq])?;
-        dense_len("q", &[b, hq, lq])?;
-        dense_len("k", &[b, hkv, lk])?;
-        dense_len("weights", &[lq, lk])?;
+        checked_len("q", &[b, hq])?;
+        checked_len("q", &[b, hq, lq])?;
+        checked_len("k", &[b, hkv, lk])?;
+        checked_len("weights", &[lq, lk])?;
         check_len("q", q.data.len(), q.shape, q.strides)?;
         check_len("k", k.data.len(), k.shape, k.strides)?;
         check_len("v", v.data.len(), v.shape, v.strides)?;
@@ -345,7 +339,7 @@ impl Plan {
         }
         let mut lse = core::ptr::null_mut();
         if let Some(buf) = extras.lse.as_deref_mut() {
-            let needed = dense_len("lse", &[b, hq, lq])?;
+            let needed = checked_len("lse", &[b, hq, lq])?;
             if buf.len() != needed {
                 return Err(AttnError::BufferLength {
                     arg: "lse",
@@ -357,7 +351,7 @@ impl Plan {
         }
         let mut weights = core::ptr::null_mut();
         if let Some(buf) = extras.weights.as_deref_mut() {
-            let needed = dense_len("weights", &[b, hq, lq, lk])?;
+            let needed = checked_len("weights", &[b, hq, lq, lk])?;
             if buf.len() != needed {
                 return Err(AttnError::BufferLength {
                     arg: "weights",
@@ -367,15 +361,7 @@ impl Plan {
             }
             weights = buf.as_mut_ptr();
         }
-        // A zero-width row is never dereferenced: give it stride 0 so no pointer steps past
-        // its buffer.
-        let strides = |width: usize, t: &Tensor| {
-            if width == 0 {
-                [0; 3]
-            } else {
-                used_strides(t.shape, t.strides)
-            }
-        };
+        let strides = |width: usize, t: &Tensor| used_strides(width, t.shape, t.strides);
         Ok(Plan {
             isa,
             shape,
