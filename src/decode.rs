@@ -12,7 +12,7 @@ use crate::scratch::with_scratch;
 use crate::sdpa::Plan;
 use attnkit_kernels::{
     decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
-    DecodeWalk,
+    DecodeWalk, ScoreSpec,
 };
 use std::cell::RefCell;
 
@@ -86,10 +86,12 @@ impl Plan {
                         self.o.add(Plan::off(self.os, b, h, i)),
                         s.dv,
                     );
+                    let sink = self.sinks.map(|p| *p.add(h));
                     let lse = merge_partials(
                         &buf[(grp * chunks * rows + r) * pl..],
                         per_task,
                         chunks,
+                        sink,
                         out,
                     );
                     if !self.lse.is_null() {
@@ -113,10 +115,7 @@ impl Plan {
         let g = s.hq / s.hkv;
         let mut rows = [DecodeRow {
             q: core::ptr::null(),
-            hi: 0,
-            lo: 0,
-            bias: core::ptr::null(),
-            mask: core::ptr::null(),
+            spec: ScoreSpec::new(0),
         }; 16];
         let nrows = g * s.lq;
         let j_begin = chunk * clen;
@@ -128,21 +127,12 @@ impl Plan {
                 for (k, row) in rows[..n].iter_mut().enumerate() {
                     let r = r0 + k;
                     let (h, i) = (hk * g + r / s.lq, r % s.lq);
-                    let (lo, hi) = self.key_range(b, i);
-                    // SAFETY: offsets of validated views / masks (see `Plan::new`).
-                    unsafe {
-                        *row = DecodeRow {
-                            q: self.q.add(Plan::off(self.qs, b, h, i)),
-                            hi,
-                            lo,
-                            bias: self.bias.map_or(core::ptr::null(), |m| {
-                                m.ptr.add(Plan::off(m.strides, b, h, i))
-                            }),
-                            mask: self.mask.map_or(core::ptr::null(), |m| {
-                                m.ptr.add(Plan::off(m.strides, b, h, i))
-                            }),
-                        };
-                    }
+                    // SAFETY: offset of a validated view (see `Plan::new`).
+                    let q = unsafe { self.q.add(Plan::off(self.qs, b, h, i)) };
+                    *row = DecodeRow {
+                        q,
+                        spec: self.spec(b, h, i),
+                    };
                 }
                 let args = DecodeArgs {
                     rows: &rows[..n],

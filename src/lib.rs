@@ -36,7 +36,7 @@ pub use layers::{
     MultiheadAttention, SelfAttention, StateDict, Tokens,
 };
 pub use merge::{merge, Partial};
-pub use options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
+pub use options::{alibi_slopes, AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
 pub use pages::{advise_huge_pages, AlignedBuf};
 pub use sdpa::{choose_path, sdpa, sdpa_ext, sdpa_vec};
 pub use view::{Layout, Tensor, TensorMut};

@@ -93,6 +93,19 @@ pub struct SdpaOptions<'a> {
     /// its diagonal, i.e. `j > i + offset − window`. At least 1; a window of `max(Lq, Lk)` or
     /// more hides nothing (`usize::MAX` reads as "unbounded").
     pub window: Option<usize>,
+    /// ALiBi slopes, one per query head (`Hq`): `−slope[h]·|pos(i) − j|` is added to every
+    /// score, with `pos(i) = i + key_len − Lq` (the queries are the last positions, as for
+    /// [`Causal::BottomRight`]; `pos(i) = i` under [`Causal::TopLeft`]). [`alibi_slopes`] makes
+    /// the standard ones.
+    pub alibi: Option<&'a [f32]>,
+    /// Softcap (Gemma 2, Grok): each scaled score `x` becomes `cap·tanh(x/cap)`, before any mask,
+    /// bias or ALiBi term is applied. Positive and finite.
+    pub softcap: Option<f32>,
+    /// Attention-sink logits, one per query head (`Hq`; gpt-oss, StreamingLLM): each joins its
+    /// rows' softmax denominator and contributes no value, so a row's weights sum to less than
+    /// one; the logsumexp includes it. A fully masked row still gives zeros (its lse is the
+    /// sink). `-inf` means no sink for that head.
+    pub sinks: Option<&'a [f32]>,
     /// Kernel choice; [`Path::Auto`] by default.
     pub path: Path,
     /// The code path; `None` means [`Isa::detect`] (honours `ATTNKIT_ISA`).
@@ -136,6 +149,21 @@ impl<'a> SdpaOptions<'a> {
         self.window = Some(window);
         self
     }
+    /// Sets ALiBi slopes (one per query head).
+    pub fn alibi(mut self, slopes: &'a [f32]) -> Self {
+        self.alibi = Some(slopes);
+        self
+    }
+    /// Sets a softcap.
+    pub fn softcap(mut self, cap: f32) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
+    /// Sets attention-sink logits (one per query head).
+    pub fn sinks(mut self, sinks: &'a [f32]) -> Self {
+        self.sinks = Some(sinks);
+        self
+    }
     /// Forces a kernel.
     pub fn path(mut self, path: Path) -> Self {
         self.path = path;
@@ -162,4 +190,32 @@ pub struct Extras<'a> {
     /// The attention weights `(B, H, Lq, Lk)` dense. Asking for them materialises the score matrix
     /// (that is the point); without them it never exists.
     pub weights: Option<&'a mut [f32]>,
+}
+
+/// The standard ALiBi slopes for `heads` heads with maximum bias `max_bias` (8 in the paper and
+/// in BLOOM/MPT): with `n = 2^⌊log2 heads⌋`, head `h < n` gets `2^(−max_bias·(h+1)/n)` and the
+/// remaining heads (a head count that is not a power of two) interleave the slopes of `2n` heads:
+/// `2^(−max_bias·(2(h−n)+1)/(2n))`. Computed in f64, rounded once.
+///
+/// ```
+/// let s = attnkit::alibi_slopes(8, 8.0);
+/// assert_eq!((s[0], s[7]), (0.5, 1.0 / 256.0));
+/// ```
+pub fn alibi_slopes(heads: usize, max_bias: f32) -> Vec<f32> {
+    if heads == 0 {
+        return Vec::new();
+    }
+    let n = 1usize << heads.ilog2();
+    let mb = max_bias as f64;
+    let m0 = (-mb / n as f64).exp2();
+    let m1 = (-mb / 2.0 / n as f64).exp2();
+    (0..heads)
+        .map(|h| {
+            if h < n {
+                m0.powi(h as i32 + 1) as f32
+            } else {
+                m1.powi(2 * (h - n) as i32 + 1) as f32
+            }
+        })
+        .collect()
 }

@@ -6,7 +6,9 @@ use crate::error::{AttnError, Result};
 use crate::options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
 use crate::scratch::with_scratch;
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::{flash_forward, scratch_len, FlashArgs, Isa};
+use attnkit_kernels::{
+    flash_forward, scratch_len, visible_range, Alibi, FlashArgs, Isa, ScoreSpec,
+};
 
 /// Query rows per task: enough to amortise packing each K/V block, few enough that long
 /// sequences give every core many tasks. Depends on the shape only, never on the thread count,
@@ -156,6 +158,10 @@ pub(crate) struct Plan {
     pub(crate) bias: Option<MaskPlan<f32>>,
     pub(crate) mask: Option<MaskPlan<bool>>,
     pub(crate) key_lengths: Option<*const usize>,
+    /// ALiBi slopes and sinks, `Hq` values each (validated).
+    pub(crate) alibi: Option<*const f32>,
+    pub(crate) softcap: Option<f32>,
+    pub(crate) sinks: Option<*const f32>,
     pub(crate) lse: *mut f32,
     pub(crate) weights: *mut f32,
 }
@@ -337,6 +343,34 @@ impl Plan {
                 return Err(AttnError::KeyLength { batch, len, lk });
             }
         }
+        let per_head = |arg: &'static str, x: Option<&[f32]>| -> Result<Option<*const f32>> {
+            let Some(x) = x else { return Ok(None) };
+            mismatch(arg, "Hq", hq, x.len())?;
+            Ok(Some(x.as_ptr()))
+        };
+        let alibi = per_head("alibi", opts.alibi)?;
+        if opts.alibi.is_some_and(|a| a.iter().any(|s| !s.is_finite())) {
+            return Err(AttnError::BadParam {
+                arg: "alibi",
+                reason: "slopes must be finite",
+            });
+        }
+        let sinks = per_head("sinks", opts.sinks)?;
+        if opts
+            .sinks
+            .is_some_and(|a| a.iter().any(|s| s.is_nan() || *s == f32::INFINITY))
+        {
+            return Err(AttnError::BadParam {
+                arg: "sinks",
+                reason: "must be finite or -inf",
+            });
+        }
+        if opts.softcap.is_some_and(|c| !(c > 0.0 && c.is_finite())) {
+            return Err(AttnError::BadParam {
+                arg: "softcap",
+                reason: "must be positive and finite",
+            });
+        }
         let mut lse = core::ptr::null_mut();
         if let Some(buf) = extras.lse.as_deref_mut() {
             let needed = checked_len("lse", &[b, hq, lq])?;
@@ -380,6 +414,9 @@ impl Plan {
             bias,
             mask,
             key_lengths: opts.key_lengths.map(|l| l.as_ptr()),
+            alibi,
+            softcap: opts.softcap,
+            sinks,
             lse,
             weights,
         })
@@ -414,7 +451,11 @@ impl Plan {
         if self.shape.dv == 0 && self.lse.is_null() && self.weights.is_null() {
             return; // nothing to write
         }
-        let unmasked = self.bias.is_none() && self.mask.is_none() && self.weights.is_null();
+        let unmasked = self.bias.is_none()
+            && self.mask.is_none()
+            && self.weights.is_null()
+            && self.alibi.is_none()
+            && self.sinks.is_none();
         if self.shape.d == 0 && self.shape.dv == 0 && unmasked {
             return self.run_lse_only();
         }
@@ -508,25 +549,54 @@ impl Plan {
 
     /// Causal offset of batch `b`: key `j` visible to query `i` iff `j ≤ i + offset`.
     pub(crate) fn causal_off(&self, b: usize) -> Option<isize> {
-        self.causal.map(|c| match c {
+        self.causal.map(|c| self.offset(b, c))
+    }
+
+    /// Position of query 0 in key coordinates under alignment `c` for batch `b`.
+    fn offset(&self, b: usize, c: Causal) -> isize {
+        match c {
             Causal::TopLeft => 0,
             Causal::BottomRight => self.key_len(b) as isize - self.shape.lq as isize,
-        })
+        }
     }
 
     /// Visible key range `[lo, hi)` of query row `i` of batch `b` (key length, causality, window).
     pub(crate) fn key_range(&self, b: usize, i: usize) -> (usize, usize) {
-        let mut hi = self.key_len(b);
-        let mut lo = 0;
-        if let Some(off) = self.causal_off(b) {
-            let diag = i as isize + off + 1;
-            hi = hi.min(diag.max(0) as usize);
-            if let Some(w) = self.window {
-                // `window < max(Lq, Lk) ≤ isize::MAX` (see `Plan::validate`).
-                lo = (diag - w as isize).max(0) as usize;
+        visible_range(self.key_len(b), self.causal_off(b), self.window, i)
+    }
+
+    /// The score rule of rows `row0…` of head `h` of batch `b`: visibility, masks (addressed at
+    /// row `row0`), ALiBi (aligned as the causal mask is, bottom-right without one), softcap and
+    /// sink.
+    pub(crate) fn spec(&self, b: usize, h: usize, row0: usize) -> ScoreSpec {
+        let at = |st: [usize; 3]| Plan::off(st, b, h, row0);
+        // SAFETY: (pointer offsets) rows `< Lq` of validated, in-bounds masks; `h < Hq` entries
+        // of the per-head slopes and sinks.
+        unsafe {
+            ScoreSpec {
+                row0,
+                key_len: self.key_len(b),
+                causal: self.causal_off(b),
+                window: self.window,
+                softcap: self.softcap,
+                alibi: self.alibi.map(|p| Alibi {
+                    slope: *p.add(h),
+                    offset: self.offset(b, self.causal.unwrap_or(Causal::BottomRight)),
+                }),
+                sink: self
+                    .sinks
+                    .map(|p| *p.add(h))
+                    .filter(|s| *s != f32::NEG_INFINITY),
+                bias: self
+                    .bias
+                    .map_or(core::ptr::null(), |m| m.ptr.add(at(m.strides))),
+                ldbias: self.bias.map_or(0, |m| m.strides[2]),
+                mask: self
+                    .mask
+                    .map_or(core::ptr::null(), |m| m.ptr.add(at(m.strides))),
+                ldmask: self.mask.map_or(0, |m| m.strides[2]),
             }
         }
-        (lo.min(hi), hi)
     }
 
     /// Valid key count of batch `b`.
@@ -545,8 +615,6 @@ impl Plan {
         let row0 = qb * self.q_block();
         let m = self.q_block().min(s.lq - row0);
         let off3 = Plan::off;
-        let key_len = self.key_len(b);
-        let causal = self.causal_off(b);
         // SAFETY: (pointer offsets below) every offset addresses an element inside its buffer,
         // as validated by `check_len` / the dense-length checks in `Plan::new`.
         let args = unsafe {
@@ -555,11 +623,8 @@ impl Plan {
                 n: s.lk,
                 d: s.d,
                 dv: s.dv,
-                row0,
                 scale: self.scale,
-                key_len,
-                causal,
-                window: self.window,
+                spec: self.spec(b, h, row0),
                 q: self.q.add(off3(self.qs, b, h, row0)),
                 ldq: self.qs[2],
                 k: self.k.add(off3(self.ks, b, hk, 0)),
@@ -568,14 +633,6 @@ impl Plan {
                 ldv: self.vs[2],
                 o: self.o.add(off3(self.os, b, h, row0)),
                 ldo: self.os[2],
-                bias: self.bias.map_or(core::ptr::null(), |p| {
-                    p.ptr.add(off3(p.strides, b, h, row0))
-                }),
-                ldbias: self.bias.map_or(0, |p| p.strides[2]),
-                mask: self.mask.map_or(core::ptr::null(), |p| {
-                    p.ptr.add(off3(p.strides, b, h, row0))
-                }),
-                ldmask: self.mask.map_or(0, |p| p.strides[2]),
                 lse: if self.lse.is_null() {
                     self.lse
                 } else {

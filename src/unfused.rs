@@ -13,7 +13,7 @@ use crate::scratch::with_scratch;
 use crate::sdpa::Plan;
 use crate::view::{Tensor, TensorMut};
 use crate::Extras;
-use attnkit_kernels::softmax_row;
+use attnkit_kernels::{apply_scores, softmax_row_with_sink};
 
 /// Same contract, semantics and errors as [`crate::sdpa`], computed the unfused way; tasks are
 /// whole (batch, head) pairs. The GEMMs run on [`Backend::default`] (OpenBLAS with the `blas`
@@ -98,8 +98,9 @@ fn head(p: &Plan, bh: usize, backend: Backend) {
     }
     let hk = h / (s.hq / s.hkv);
     with_scratch(s.lq * s.lk, |sc| {
-        // SAFETY: offsets and extents were validated by `Plan::new`; this head's output rows are
-        // disjoint from every other head's; `sc` holds Lq·Lk elements.
+        // SAFETY: offsets and extents were validated by `Plan::new` (the spec's masks cover
+        // `Lq` rows of `Lk` keys); this head's output rows are disjoint from every other head's;
+        // `sc` holds Lq·Lk elements.
         unsafe {
             let q = p.q.add(Plan::off(p.qs, b, h, 0));
             let k = p.k.add(Plan::off(p.ks, b, hk, 0));
@@ -124,26 +125,12 @@ fn head(p: &Plan, bh: usize, backend: Backend) {
                 lk as isize,
                 1,
             );
+            let spec = p.spec(b, h, 0);
+            let sink = spec.sink.unwrap_or(f32::NEG_INFINITY);
             for i in 0..lq {
                 let row = &mut sc[i * lk..(i + 1) * lk];
-                let (lo, lim) = p.key_range(b, i);
-                if let Some(m) = p.bias {
-                    let bias = m.ptr.add(Plan::off(m.strides, b, h, i));
-                    for (j, x) in row.iter_mut().enumerate() {
-                        *x += *bias.add(j);
-                    }
-                }
-                if let Some(m) = p.mask {
-                    let mask = m.ptr.add(Plan::off(m.strides, b, h, i));
-                    for (j, x) in row.iter_mut().enumerate() {
-                        if !*mask.add(j) {
-                            *x = f32::NEG_INFINITY;
-                        }
-                    }
-                }
-                row[lim.min(lk)..].fill(f32::NEG_INFINITY);
-                row[..lo.min(lk)].fill(f32::NEG_INFINITY);
-                softmax_row(p.isa, row);
+                apply_scores(p.isa, &spec, i, 0, row);
+                softmax_row_with_sink(p.isa, row, sink);
             }
             if lk == 0 {
                 for i in 0..lq {

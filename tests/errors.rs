@@ -856,6 +856,9 @@ fn zero_value_dim_is_ok_and_lse_still_computed() {
         window: None,
         mask: RefMask::None,
         key_lengths: None,
+        alibi: None,
+        softcap: None,
+        sinks: None,
     });
     for (out, lse, w) in run_zero(dims, Some(Causal::TopLeft), None, 5) {
         assert!(out.iter().all(|x| x.is_nan()), "Dv = 0 must write nothing");

@@ -7,7 +7,7 @@
 mod common;
 
 use attnkit::kernels::{
-    decode_partial, partial_len, softmax_row, DecodeArgs, DecodeRow, DecodeWalk,
+    decode_partial, partial_len, softmax_row, DecodeArgs, DecodeRow, DecodeWalk, ScoreSpec,
 };
 use attnkit::{
     sdpa, sdpa_ext, sdpa_vec, AdditiveAttention, AdditiveOptions, AttnError, Causal, Extras,
@@ -115,6 +115,9 @@ fn prefill_causal_with_mask_bias_weights_and_window() {
                     window,
                     mask: ref_mask,
                     key_lengths: None,
+                    alibi: None,
+                    softcap: None,
+                    sinks: None,
                 });
                 let what =
                     format!("{isa} {causal:?} window {window:?} mask {masked} bias {biased}");
@@ -181,10 +184,7 @@ fn decode_kernel_with_empty_rows_returns() {
                 let q = vals(4, 9);
                 let rows = [DecodeRow {
                     q: q.as_ptr(),
-                    hi: 64,
-                    lo: 0,
-                    bias: core::ptr::null(),
-                    mask: core::ptr::null(),
+                    spec: ScoreSpec::new(64),
                 }];
                 let args = DecodeArgs {
                     rows: &rows,
@@ -631,6 +631,9 @@ fn kv_cache_decode_matches_reference() {
             window: None,
             mask: RefMask::None,
             key_lengths: Some(&[3, 2]),
+            alibi: None,
+            softcap: None,
+            sinks: None,
         });
         for (i, (&g, &w)) in out.iter().zip(&want.out).enumerate() {
             assert!(close(g, w, ATOL, RTOL), "{isa} out[{i}] {g} vs {w}");

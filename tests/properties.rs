@@ -89,6 +89,15 @@ struct Case {
     specs: [ViewSpec; 4],
     /// Also check lse and weights through `sdpa_ext`.
     extras: bool,
+    /// Score modifiers: ALiBi (standard slopes), softcap, sinks (random per head).
+    mods: Mods,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Mods {
+    alibi: bool,
+    softcap: Option<f32>,
+    sinks: bool,
 }
 
 /// Inputs of a case, dense row-major.
@@ -99,6 +108,8 @@ struct Data {
     mask_bool: Vec<bool>,
     mask_bias: Vec<f32>,
     mask_shape: [usize; 4],
+    slopes: Vec<f32>,
+    sinks: Vec<f32>,
 }
 
 impl Case {
@@ -133,6 +144,16 @@ impl Case {
                 }
             }
         }
+        // Drawn last, from their own stream, so the inputs above do not depend on them.
+        let mut rng = SmallRng::seed_from_u64(self.seed ^ 0x5151);
+        let slopes = attnkit::alibi_slopes(d.hq, 8.0);
+        let sinks = (0..d.hq)
+            .map(|h| match h % 4 {
+                0 => 6.0,
+                1 => f32::NEG_INFINITY,
+                _ => rng.gen_range(-4.0..4.0),
+            })
+            .collect();
         Data {
             q,
             k,
@@ -140,6 +161,8 @@ impl Case {
             mask_bool,
             mask_bias,
             mask_shape,
+            slopes,
+            sinks,
         }
     }
 
@@ -161,6 +184,9 @@ impl Case {
             window: self.window,
             mask,
             key_lengths: self.key_lengths.as_deref(),
+            alibi: self.mods.alibi.then_some(&x.slopes[..]),
+            softcap: self.mods.softcap.map(f64::from),
+            sinks: self.mods.sinks.then_some(&x.sinks[..]),
         }
     }
 
@@ -187,6 +213,15 @@ impl Case {
         }
         if let Some(l) = &self.key_lengths {
             o = o.key_lengths(l);
+        }
+        if self.mods.alibi {
+            o = o.alibi(&x.slopes);
+        }
+        if let Some(c) = self.mods.softcap {
+            o = o.softcap(c);
+        }
+        if self.mods.sinks {
+            o = o.sinks(&x.sinks);
         }
         o
     }
@@ -310,11 +345,7 @@ fn check(c: &Case) -> f64 {
                         .iter()
                         .map(|&p| p as f64)
                         .sum();
-                    let want = if r.lse[row] == f64::NEG_INFINITY {
-                        0.0
-                    } else {
-                        1.0
-                    };
+                    let want: f64 = r.w[row * d.lk..(row + 1) * d.lk].iter().sum();
                     assert!(
                         (sum - want).abs() <= 1e-5,
                         "{isa}: weights of row {row} sum to {sum}, want {want}\ncase: {c:?}"
@@ -401,6 +432,7 @@ fn random_case(seed: u64, max_work: usize) -> Case {
                 random_spec(&mut rng),
             ],
             extras: rng.gen_bool(0.3),
+            mods: Mods::default(),
         };
         if c.work() <= max_work {
             return c;
@@ -423,6 +455,27 @@ fn random_shapes_masks_layouts_match_f64_reference() {
         "mask kinds too unevenly covered: {kinds:?}"
     );
     eprintln!("random cases: {n}, mask kinds {kinds:?}, max abs err {worst:.2e}");
+}
+
+/// ALiBi, softcap and sinks, alone and together, over random shapes, masks, key lengths, both
+/// causal alignments, windows, GQA, layouts, every kernel, lse and weights.
+#[test]
+fn score_modifiers_match_f64_reference() {
+    let mut worst = 0.0f64;
+    let mut rng = SmallRng::seed_from_u64(77);
+    let n = 400;
+    for i in 0..n {
+        let mut c = random_case(5000 + i, 2_000_000);
+        let pick = rng.gen_range(1..8u32);
+        c.mods = Mods {
+            alibi: pick & 1 != 0,
+            softcap: (pick & 2 != 0).then(|| *[1.0f32, 5.0, 30.0].choose(&mut rng).unwrap()),
+            sinks: pick & 4 != 0,
+        };
+        c.extras = rng.gen_bool(0.5);
+        worst = worst.max(check(&c));
+    }
+    eprintln!("modifier cases: {n}, max abs err {worst:.2e}");
 }
 
 /// Every D of the set across the query/key tails, with GQA, both causal alignments (Lq > Lk and
@@ -475,6 +528,7 @@ fn head_dims_across_length_tails() {
                 scale: None,
                 specs: [spec(n), spec(n + 1), spec(n + 2), spec(n + 3)],
                 extras: false,
+                mods: Mods::default(),
             };
             worst = worst.max(check(&c));
         }
@@ -563,6 +617,7 @@ fn large_shapes_match_reference() {
                 },
             ],
             extras: i == 1,
+            mods: Mods::default(),
         };
         let e = check(&c);
         eprintln!("large case {i}: max abs err {e:.2e}");
@@ -604,6 +659,7 @@ fn key_lengths_including_zero() {
                     },
                 ],
                 extras: true,
+                mods: Mods::default(),
             };
             check(&c);
             // Batch 0 sees no key: its rows are exactly zero on every path.
@@ -672,6 +728,9 @@ fn large_logits_stay_finite_and_match() {
             window: None,
             mask: RefMask::None,
             key_lengths: None,
+            alibi: None,
+            softcap: None,
+            sinks: None,
         };
         let r = reference(&p);
         // Per-element tolerance, as derived above.
@@ -790,6 +849,9 @@ fn extreme_magnitudes() {
             window: None,
             mask: RefMask::None,
             key_lengths: None,
+            alibi: None,
+            softcap: None,
+            sinks: None,
         };
         let r = reference(&p);
         for isa in isas() {
@@ -836,6 +898,7 @@ fn weights_rows_sum_to_one_and_lse_matches() {
                 scale: None,
                 specs: [ViewSpec::BHLD; 4],
                 extras: true,
+                mods: Mods::default(),
             };
             check(&c);
         }
@@ -887,6 +950,9 @@ fn nan_in_q_case(lk: usize, failures: &mut Vec<String>) {
         window: None,
         mask: RefMask::None,
         key_lengths: None,
+        alibi: None,
+        softcap: None,
+        sinks: None,
     });
     for isa in isas() {
         for kernel in KERNELS {
@@ -983,6 +1049,9 @@ fn nan_in_k_reaches_only_rows_that_see_it() {
                 RefMask::None
             },
             key_lengths: Some(&key_lengths),
+            alibi: None,
+            softcap: None,
+            sinks: None,
         };
         let r = reference(&p);
         for isa in isas() {

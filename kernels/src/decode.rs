@@ -20,7 +20,8 @@
 //! key range, so a long cache can be cut into chunks processed in parallel and merged exactly
 //! ([`merge_partials`]).
 
-use crate::simd::{aligned, exp2, Simd, ALIGN_SLACK};
+use crate::score::ScoreSpec;
+use crate::simd::{aligned, exp2, Simd, SimdDiv, ALIGN_SLACK};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 
@@ -74,14 +75,10 @@ pub const DECODE_MAX_ROWS: usize = 8;
 pub struct DecodeRow {
     /// The query vector (`d` values).
     pub q: *const f32,
-    /// First key this row cannot see (`min(key_len, causal limit)`), exclusive.
-    pub hi: usize,
-    /// First key this row can see (sliding window), inclusive.
-    pub lo: usize,
-    /// Additive bias for this row, indexed by key (`n` values), or null.
-    pub bias: *const f32,
-    /// Boolean mask (true = attend) for this row, indexed by key, or null.
-    pub mask: *const bool,
+    /// The row's score rule: `spec.row0` is the row's index in the query sequence, its bias and
+    /// mask pointers address the row (indexed by key). The sink is applied by
+    /// [`merge_partials`], not by the kernel.
+    pub spec: ScoreSpec,
 }
 
 /// A group of rows sharing K and V, and the key range `[j_begin, j_end)` to process.
@@ -190,7 +187,7 @@ impl Lines {
 /// `scratch.len() ≥ decode_scratch_len(d, dv)`; the ISA of `S` is enabled.
 #[inline(always)]
 unsafe fn decode_rows<
-    S: Simd,
+    S: SimdDiv,
     const R: usize,
     const KEYS: usize,
     const KM: bool,
@@ -236,8 +233,9 @@ unsafe fn decode_rows<
                 qbuf[r * dp + p] = *row.q.add(p) * qscale;
             }
         }
-        let jlo = rows.iter().map(|r| r.lo).min().unwrap_or(0).max(a.j_begin);
-        let jhi = rows.iter().map(|r| r.hi).max().unwrap_or(0).min(a.j_end);
+        let ranges: [(usize, usize); R] = core::array::from_fn(|r| rows[r].spec.visible_range(0));
+        let jlo = ranges.iter().map(|r| r.0).min().unwrap_or(0).max(a.j_begin);
+        let jhi = ranges.iter().map(|r| r.1).max().unwrap_or(0).min(a.j_end);
         // The block whose weights are ready and whose P·V is still to do: (first key, keys).
         let mut prev: Option<(usize, usize)> = None;
         let mut jb = jlo;
@@ -488,7 +486,7 @@ unsafe fn dots_chunk_major<S: Simd, const R: usize, const KEYS: usize>(
 /// # Safety
 /// Row bias/mask pointers valid for keys `< jb + nk`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn softmax_block<S: Simd, const R: usize>(
+unsafe fn softmax_block<S: SimdDiv, const R: usize>(
     rows: &[DecodeRow],
     jb: usize,
     nk: usize,
@@ -504,18 +502,7 @@ unsafe fn softmax_block<S: Simd, const R: usize>(
     unsafe {
         for (r, row) in rows.iter().enumerate().take(R) {
             let srow = &mut sbuf[r * KB..(r + 1) * KB];
-            // Most blocks lie inside the row's visible range with no mask: skip the loop.
-            let inside = jb >= row.lo && jb + nk <= row.hi;
-            if !(inside && row.mask.is_null() && row.bias.is_null()) {
-                for (jj, x) in srow[..nk].iter_mut().enumerate() {
-                    let j = jb + jj;
-                    if j < row.lo || j >= row.hi || (!row.mask.is_null() && !*row.mask.add(j)) {
-                        *x = f32::NEG_INFINITY;
-                    } else if !row.bias.is_null() {
-                        *x += *row.bias.add(j) * LOG2E;
-                    }
-                }
-            }
+            row.spec.apply_row::<S>(0, jb, &mut srow[..nk], LOG2E);
             srow[nk..].fill(f32::NEG_INFINITY);
             let mut mx = S::splat(f32::NEG_INFINITY);
             for c in (0..KB).step_by(w) {
@@ -639,7 +626,7 @@ unsafe fn pv_rows<S: Simd, const G: usize, const NC: usize>(
 /// # Safety
 /// As [`decode_rows`].
 #[inline(always)]
-pub(crate) unsafe fn decode<S: Simd>(
+pub(crate) unsafe fn decode<S: SimdDiv>(
     a: &DecodeArgs,
     partial: *mut f32,
     ldp: usize,
@@ -755,13 +742,20 @@ pub(crate) unsafe fn decode<S: Simd>(
 
 /// Merges partial results `[m, l, o…]` (base-2 max, sum, unnormalised output) of one row over
 /// disjoint key ranges, exactly: `m = max mᵢ`, `l = Σ lᵢ·2^(mᵢ−m)`, `o = Σ oᵢ·2^(mᵢ−m) / l`.
-/// Part `i` is `parts[i·stride ..][.. out.len() + 2]`. Writes the normalised output and returns
-/// the natural-log logsumexp (−inf and a zero output if no part saw a key). Parts are combined in
-/// order, so the result is deterministic.
+/// A `sink` logit (natural log) joins the denominator as one more part with no value. Part `i` is
+/// `parts[i·stride ..][.. out.len() + 2]`. Writes the normalised output and returns the
+/// natural-log logsumexp (sink included; −inf and a zero output if no part saw a key and there is
+/// no sink). Parts are combined in order, so the result is deterministic.
 ///
 /// # Panics
 /// If `parts` is shorter than `(count − 1)·stride + out.len() + 2`.
-pub fn merge_partials(parts: &[f32], stride: usize, count: usize, out: &mut [f32]) -> f32 {
+pub fn merge_partials(
+    parts: &[f32],
+    stride: usize,
+    count: usize,
+    sink: Option<f32>,
+    out: &mut [f32],
+) -> f32 {
     let dv = out.len();
     if count > 0 {
         assert!(
@@ -770,7 +764,8 @@ pub fn merge_partials(parts: &[f32], stride: usize, count: usize, out: &mut [f32
         );
     }
     let part = |i: usize| &parts[i * stride..i * stride + dv + 2];
-    let mut mx = f32::NEG_INFINITY;
+    let s2 = sink.map_or(f32::NEG_INFINITY, |s| s * LOG2E);
+    let mut mx = s2;
     for i in 0..count {
         let m = part(i)[0];
         if m > mx || m.is_nan() {
@@ -793,9 +788,15 @@ pub fn merge_partials(parts: &[f32], stride: usize, count: usize, out: &mut [f32
             *o += x * f;
         }
     }
-    if l == 0.0 {
+    let has_key = l != 0.0;
+    if s2 != f32::NEG_INFINITY {
+        l += (s2 - mx).exp2();
+    }
+    if !has_key {
         out.fill(0.0);
-        return f32::NEG_INFINITY;
+        if l == 0.0 {
+            return f32::NEG_INFINITY;
+        }
     }
     let inv = 1.0 / l;
     for o in out.iter_mut() {

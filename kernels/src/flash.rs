@@ -14,14 +14,11 @@
 //! a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
 
 use crate::gemm::{Accum, Tiles};
+use crate::score::{finish, ScoreSpec};
 use crate::simd::{aligned, exp2, Simd, SimdDiv, ALIGN_SLACK};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 const LN2: f32 = core::f32::consts::LN_2;
-
-/// Causal masking: key `j` is visible to query row `r` (index in the whole query sequence) iff
-/// `j ≤ r + offset`. Top-left alignment is `offset = 0`, bottom-right is `offset = Lk − Lq`.
-pub type CausalOffset = isize;
 
 /// Everything the fused kernel needs for one (batch, head, query block). Pointers are raw
 /// because the output rows of different blocks interleave in memory (BLHD layout).
@@ -35,17 +32,11 @@ pub struct FlashArgs {
     pub d: usize,
     /// Head dimension of V and O.
     pub dv: usize,
-    /// Index of this block's first row in the query sequence (for causal masking).
-    pub row0: usize,
     /// Softmax scale applied to `q·k` (before the bias is added).
     pub scale: f32,
-    /// Keys at index `≥ key_len` are masked (per-batch key padding); `key_len ≤ n`.
-    pub key_len: usize,
-    /// Causal mask, if any.
-    pub causal: Option<CausalOffset>,
-    /// Sliding window (needs `causal`): key `j` is visible to row `r` only if
-    /// `j > row0 + r + offset − window`, i.e. the `window` most recent keys up to the diagonal.
-    pub window: Option<usize>,
+    /// Which keys each row sees and what is applied to its scores; `spec.row0` is this block's
+    /// first row in the query sequence and its bias/mask pointers address that row.
+    pub spec: ScoreSpec,
     /// Q rows: element `(r, p)` at `q + r*ldq + p`.
     pub q: *const f32,
     /// Row stride of Q.
@@ -62,26 +53,12 @@ pub struct FlashArgs {
     pub o: *mut f32,
     /// Row stride of O.
     pub ldo: usize,
-    /// Additive bias `(r, j)` at `bias + r*ldbias + j`, or null.
-    pub bias: *const f32,
-    /// Row stride of the bias (0 broadcasts one row).
-    pub ldbias: usize,
-    /// Boolean mask (true = attend) `(r, j)` at `mask + r*ldmask + j`, or null.
-    pub mask: *const bool,
-    /// Row stride of the mask (0 broadcasts one row).
-    pub ldmask: usize,
     /// Per-row natural-log logsumexp output (`m` values), or null.
     pub lse: *mut f32,
     /// Attention weights `(r, j)` at `weights + r*ldw + j` (`j < n`), or null.
     pub weights: *mut f32,
     /// Row stride of the weights.
     pub ldw: usize,
-}
-
-/// A window length as a signed distance: windows past `isize::MAX` keys (e.g. `usize::MAX` for
-/// "unbounded") behave as `isize::MAX`, which no key index can reach, instead of wrapping negative.
-pub(crate) fn window_isize(w: usize) -> isize {
-    isize::try_from(w).unwrap_or(isize::MAX)
 }
 
 /// Key block length used by the fused kernel.
@@ -131,27 +108,12 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
     let (alpha, rest) = rest.split_at_mut(mp);
     let tmp = &mut rest[..mp];
 
-    // Visible-key limit of row r (exclusive), from key padding and causality.
-    let limit = |r: usize| -> usize {
-        let mut lim = a.key_len.min(a.n);
-        if let Some(off) = a.causal {
-            let c = (a.row0 + r) as isize + off + 1;
-            lim = lim.min(c.max(0) as usize);
-        }
-        lim
-    };
-    // First visible key of row r (sliding window).
-    let lower = |r: usize| -> usize {
-        match (a.window, a.causal) {
-            (Some(w), Some(off)) => ((a.row0 + r) as isize + off + 1)
-                .saturating_sub(window_isize(w))
-                .max(0) as usize,
-            _ => 0,
-        }
-    };
-    // Both limits grow with r: the last row bounds the key loop above, the first below.
-    let kmax = limit(m - 1);
-    let kmin = lower(0).min(kmax);
+    // Both ends of the visible range grow with r: the last row bounds the key loop above, the
+    // first below.
+    let spec = &a.spec;
+    let kmax = spec.visible_range(m - 1).1.min(a.n);
+    let kmin = spec.visible_range(0).0.min(kmax);
+    let sink2 = spec.sink_in(LOG2E);
 
     // SAFETY: (whole body) reads and writes stay inside the extents `args` describes and the
     // scratch slices split above; the ISA is enabled per this function's contract.
@@ -176,10 +138,12 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
         // skipping the lane vectors its keys are hidden from (≈ half the diagonal's work).
         // With a single lane vector nothing can be skipped: one block as without a mask.
         let nvec = mp / w;
-        let jd = match a.causal {
-            Some(off) if nvec > 1 => {
-                ((a.row0 as isize + off + 1).max(0) as usize).clamp(kmin, kmax)
-            }
+        let jd = match spec.causal {
+            Some(off) if nvec > 1 => ((spec.row0 as isize)
+                .saturating_add(off)
+                .saturating_add(1)
+                .max(0) as usize)
+                .clamp(kmin, kmax),
             _ => kmax,
         };
         let mut j0 = kmin;
@@ -222,7 +186,7 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
                 // output rows, V as the vector operand, so no Oᵀ and no transpose back (the
                 // transpose was a sixth of the time at (2, 8, 10, 16)). Dv must fill whole
                 // vectors: the tiles store W-wide along it.
-                inverse::<S>(lrow, tmp);
+                normalisers::<S>(mrow, lrow, sink2, tmp);
                 for j in 0..nb {
                     scale_row::<S>(&mut s[j * mp..(j + 1) * mp], tmp);
                 }
@@ -268,9 +232,10 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
 
         // Oᵀ → O, each row scaled by 1/l, computed a register at a time. A row that saw no key
         // (l = 0; every row when no key block ran, and then Oᵀ was never written) gives zeros
-        // and lse = −inf: its 1/l is inf here and its output row is overwritten below.
+        // and lse = −inf (the sink's logit with a sink): its 1/l is inf here and its output row
+        // is overwritten below.
         if !first && !direct {
-            inverse::<S>(lrow, tmp);
+            normalisers::<S>(mrow, lrow, sink2, tmp);
             transpose_scaled::<S, true, false>(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
         }
         for (r, &l) in lrow[..m].iter().enumerate() {
@@ -283,9 +248,9 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
             for r in 0..m {
                 let l = lrow[r];
                 *a.lse.add(r) = if l == 0.0 {
-                    f32::NEG_INFINITY
+                    sink2 * LN2
                 } else {
-                    (mrow[r] + l.log2()) * LN2
+                    finish(mrow[r], l, sink2).1
                 };
             }
         }
@@ -345,92 +310,31 @@ unsafe fn transpose_scaled<S: Simd, const WIDE_SRC: bool, const WIDE_DST: bool>(
     }
 }
 
-/// Applies key padding/causality (by index), the bias and the bool mask to a score block
-/// `Sᵀ[nb × mp]` starting at key `j0`, and copies the raw logits to the weights if asked.
+/// Applies the score spec to a score block `Sᵀ[nb × mp]` starting at key `j0`, and copies the
+/// resulting base-2 logits to the weights if asked.
 ///
 /// # Safety
 /// As [`forward`].
 #[inline(always)]
-unsafe fn mask_block<S: Simd>(a: &FlashArgs, j0: usize, nb: usize, mp: usize, s: &mut [f32]) {
-    // Nothing but (maybe) causality: the key loop below would only do index checks.
-    let plain = a.bias.is_null() && a.mask.is_null() && a.weights.is_null();
-    if plain && a.causal.is_none() {
-        return; // a loop over the keys doing nothing was 5 % of small calls
-    }
-    if let (true, Some(off), None) = (plain, a.causal, a.window) {
-        // Causal only (the common case): key j0 + j is hidden from the first h0 + j rows, so
-        // only keys from 1 − h0 on need a fill, and no per-key checks remain (the general loop
-        // below was 12 % of small causal calls).
-        let h0 = j0 as isize - off - a.row0 as isize;
-        let start = (1 - h0).clamp(0, nb as isize) as usize;
-        for j in start..nb {
-            let hidden = (h0 + j as isize).min(a.m as isize) as usize;
-            // SAFETY: row j of `s` holds `mp ≥ m` floats, a lane multiple; `hidden ≤ m`.
-            unsafe { fill_neg_inf::<S>(s.as_mut_ptr().add(j * mp), hidden) };
-        }
+unsafe fn mask_block<S: SimdDiv>(a: &FlashArgs, j0: usize, nb: usize, mp: usize, s: &mut [f32]) {
+    let spec = &a.spec;
+    if spec.is_bare() && a.weights.is_null() {
+        // Visibility alone: a loop over the keys doing nothing was 5 % of small calls, and a
+        // per-key check 12 % of small causal calls, so only the causal fills remain.
+        // SAFETY: forwarded contract.
+        unsafe { spec.hide_t::<S>(a.m, j0, nb, mp, s) };
         return;
     }
     // SAFETY: bias/mask/weights rows < m and columns < n are in bounds per `forward`'s contract.
     unsafe {
-        for j in 0..nb {
-            let jj = j0 + j;
-            // The fill works a whole vector at a time, so it takes the lane-padded row; the
-            // per-row loops below take only its first m values.
-            let padded = &mut s[j * mp..(j + 1) * mp];
-            if let Some(off) = a.causal {
-                // Key jj is hidden from query rows r with row0 + r + off < jj.
-                let hidden = (jj as isize - off - a.row0 as isize).clamp(0, a.m as isize) as usize;
-                fill_neg_inf::<S>(padded.as_mut_ptr(), hidden);
-                if let Some(w) = a.window {
-                    // ... and from rows r with row0 + r + off + 1 − window > jj.
-                    let first = (jj as isize)
-                        .saturating_add(window_isize(w))
-                        .saturating_sub(off)
-                        .saturating_sub(a.row0 as isize)
-                        .clamp(0, a.m as isize) as usize;
-                    padded[first..a.m].fill(f32::NEG_INFINITY);
+        spec.apply_t::<S>(a.m, j0, nb, mp, s, LOG2E);
+        if !a.weights.is_null() {
+            // Raw base-2 logits now; normalised once each row's final max and sum are known.
+            for j in 0..nb {
+                for (r, &x) in s[j * mp..j * mp + a.m].iter().enumerate() {
+                    *a.weights.add(r * a.ldw + j0 + j) = x;
                 }
             }
-            let row = &mut padded[..a.m];
-            if !a.bias.is_null() {
-                for (r, x) in row.iter_mut().enumerate() {
-                    *x += *a.bias.add(r * a.ldbias + jj) * LOG2E;
-                }
-            }
-            if !a.mask.is_null() {
-                for (r, x) in row.iter_mut().enumerate() {
-                    if !*a.mask.add(r * a.ldmask + jj) {
-                        *x = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            if !a.weights.is_null() {
-                // Raw base-2 logits now; normalised once each row's final max and sum are known.
-                for (r, &x) in row.iter().enumerate() {
-                    *a.weights.add(r * a.ldw + jj) = x;
-                }
-            }
-        }
-    }
-}
-
-/// `x ← −inf` on a row of a lane-multiple buffer, a register at a time with full-width stores
-/// only: the partial vector is blended in registers. A scalar fill per key was 15 % of small
-/// causal calls, and a masked store is not forwarded to the softmax's full-width loads.
-///
-/// # Safety
-/// `x` starts on a lane boundary of a buffer that extends to the next lane multiple.
-#[inline(always)]
-unsafe fn fill_neg_inf<S: Simd>(x: *mut f32, len: usize) {
-    // SAFETY: per the contract above.
-    unsafe {
-        let full = len / S::W * S::W;
-        for c in (0..full).step_by(S::W) {
-            S::store(x.add(c), S::splat(f32::NEG_INFINITY));
-        }
-        if full < len {
-            let p = x.add(full);
-            S::store(p, S::set_first(S::load(p), len - full, f32::NEG_INFINITY));
         }
     }
 }
@@ -479,13 +383,24 @@ unsafe fn online_softmax<S: Simd>(
     rescale
 }
 
-/// `y ← 1/x`, lane-multiple length, a register at a time.
+/// `y ← 1/l` per lane (lane-multiple length, a register at a time), or with a sink `s2` (base
+/// 2) the factor that also counts the sink in the denominator (see [`finish`]).
 #[inline(always)]
-unsafe fn inverse<S: SimdDiv>(x: &[f32], y: &mut [f32]) {
+unsafe fn normalisers<S: SimdDiv>(m: &[f32], l: &[f32], s2: f32, y: &mut [f32]) {
+    if s2 != f32::NEG_INFINITY {
+        for ((y, &m), &l) in y.iter_mut().zip(m).zip(l) {
+            *y = if l == 0.0 {
+                f32::INFINITY
+            } else {
+                finish(m, l, s2).0
+            };
+        }
+        return;
+    }
     // SAFETY: both slices are lane multiples of equal length.
     unsafe {
         let one = S::splat(1.0);
-        for (yc, xc) in y.chunks_exact_mut(S::W).zip(x.chunks_exact(S::W)) {
+        for (yc, xc) in y.chunks_exact_mut(S::W).zip(l.chunks_exact(S::W)) {
             S::store(yc.as_mut_ptr(), S::div(one, S::load(xc.as_ptr())));
         }
     }
@@ -528,10 +443,11 @@ pub(crate) unsafe fn exp_scale<S: Simd>(x: &mut [f32], m: f32, k: f32) {
 }
 
 /// Numerically stable softmax of a row in place (the unfused baseline's kernel): one pass for
-/// the max, one for `e = 2^((x − max)·log2 e)` and its sum, one to normalise. A row of all −inf
-/// becomes zeros; NaN propagates.
+/// the max, one for `e = 2^((x − max)·log2 e)` and its sum, one to normalise. A `sink` logit
+/// (−inf for none) joins the max and the sum but gets no output. A row of all −inf becomes
+/// zeros; NaN propagates.
 #[inline(always)]
-pub(crate) unsafe fn softmax<S: Simd>(x: &mut [f32]) {
+pub(crate) unsafe fn softmax<S: Simd>(x: &mut [f32], sink: f32) {
     let w = S::W;
     let n = x.len();
     let full = n / w * w;
@@ -551,6 +467,9 @@ pub(crate) unsafe fn softmax<S: Simd>(x: &mut [f32]) {
                 mx = v;
             }
         }
+        if sink > mx {
+            mx = sink;
+        }
         if mx == f32::NEG_INFINITY {
             core::ptr::write_bytes(p, 0, n);
             return;
@@ -564,6 +483,9 @@ pub(crate) unsafe fn softmax<S: Simd>(x: &mut [f32]) {
             sv = S::add(sv, e);
         }
         let mut sum = S::hsum(sv);
+        if sink != f32::NEG_INFINITY {
+            sum += ((sink - mx) * LOG2E).exp2();
+        }
         for i in full..n {
             let e = ((*p.add(i) - mx) * LOG2E).exp2();
             *p.add(i) = e;

@@ -19,6 +19,7 @@ mod gemm;
 mod heads;
 mod isa;
 pub mod reference;
+mod score;
 mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
@@ -27,9 +28,10 @@ pub use decode::{
     decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk,
     DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
 };
-pub use flash::{key_block, scratch_len, CausalOffset, FlashArgs};
+pub use flash::{key_block, scratch_len, FlashArgs};
 pub use heads::{merge_heads, split_heads};
 pub use isa::{Isa, IsaError};
+pub use score::{visible_range, Alibi, CausalOffset, ScoreSpec};
 
 use gemm::Accum;
 use simd::Portable;
@@ -73,7 +75,8 @@ macro_rules! isa_fn {
 
 isa_fn!(flash_isa(args: &FlashArgs, scratch: &mut [f32]) => flash::forward);
 isa_fn!(decode_isa(args: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) => decode::decode);
-isa_fn!(softmax_isa(x: &mut [f32]) => flash::softmax);
+isa_fn!(softmax_isa(x: &mut [f32], sink: f32) => flash::softmax);
+isa_fn!(apply_row_isa(spec: &ScoreSpec, r: usize, j0: usize, x: &mut [f32], u: f32) => score::apply_row);
 isa_fn!(exp_scale_isa(x: &mut [f32], m: f32, k: f32) => flash::exp_scale);
 isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32,
     ldb: usize, c: *mut f32, ldc: usize, acc: Accum) => gemm::block);
@@ -142,7 +145,35 @@ pub fn exp2_slice(isa: Isa, x: &mut [f32]) {
 pub fn softmax_row(isa: Isa, x: &mut [f32]) {
     assert!(isa.is_supported(), "{isa} is not supported on this CPU");
     // SAFETY: `softmax` handles any length; the ISA is supported (asserted).
-    unsafe { softmax_isa(isa, x) }
+    unsafe { softmax_isa(isa, x, f32::NEG_INFINITY) }
+}
+
+/// [`softmax_row`] with an attention-sink logit that joins the max and the denominator and gets
+/// no output: `x ← exp(x − m) / (Σ exp(x − m) + exp(sink − m))`, `m = max(max x, sink)`.
+/// `sink = −inf` is [`softmax_row`].
+///
+/// # Panics
+/// If `isa` is not supported by this CPU.
+pub fn softmax_row_with_sink(isa: Isa, x: &mut [f32], sink: f32) {
+    assert!(isa.is_supported(), "{isa} is not supported on this CPU");
+    // SAFETY: `softmax` handles any length; the ISA is supported (asserted).
+    unsafe { softmax_isa(isa, x, sink) }
+}
+
+/// Applies `spec` to the natural-log scores `x` of its local row `r` for keys `j0 + [0,
+/// x.len())`: softcap, ALiBi, bias, mask, and −inf outside the row's visible keys (see
+/// [`ScoreSpec`]; the sink is not applied here). What the unfused path does between its GEMMs.
+///
+/// # Panics
+/// If `isa` is not supported by this CPU.
+///
+/// # Safety
+/// The bias and mask of row `r` are readable at columns `< j0 + x.len()` (nothing is read through
+/// a null pointer).
+pub unsafe fn apply_scores(isa: Isa, spec: &ScoreSpec, r: usize, j0: usize, x: &mut [f32]) {
+    assert!(isa.is_supported(), "{isa} is not supported on this CPU");
+    // SAFETY: forwarded contract; the ISA is supported (asserted).
+    unsafe { apply_row_isa(isa, spec, r, j0, x, 1.0) }
 }
 
 /// `C[m × n] = A[m × k] · B[k × n]` (row-major, leading dimensions `lda`, `ldb`, `ldc`) through

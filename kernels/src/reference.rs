@@ -1,6 +1,8 @@
 //! Naive f64 twins of the kernels: the specification every ISA path is tested against.
 //! Written for obviousness, not speed.
 
+use crate::ScoreSpec;
+
 /// `2^x` in f64 (the spec of [`crate::exp2_slice`]).
 pub fn exp2(x: f64) -> f64 {
     x.exp2()
@@ -48,6 +50,49 @@ pub fn attention_head(
     logit: impl Fn(usize, usize) -> Option<f64>,
     v: impl Fn(usize, usize) -> f64,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    attention_head_with_sink(lq, lk, dv, None, logit, v)
+}
+
+/// The logit of local row `r` and key `j` under `spec` for the scaled score `x`, or `None` if
+/// the key is hidden: `bias` and `attend` are the row's bias and bool-mask entries for `j` (0 and
+/// true where the spec has none). Visibility is spelled out here, independently of
+/// [`crate::visible_range`].
+pub fn logit(spec: &ScoreSpec, r: usize, j: usize, x: f64, bias: f64, attend: bool) -> Option<f64> {
+    let i = (spec.row0 + r) as f64;
+    let jf = j as f64;
+    if j >= spec.key_len || !attend {
+        return None;
+    }
+    if let Some(off) = spec.causal {
+        if jf > i + off as f64 {
+            return None;
+        }
+        if spec.window.is_some_and(|w| jf <= i + off as f64 - w as f64) {
+            return None;
+        }
+    }
+    let mut s = match spec.softcap {
+        Some(cap) => cap as f64 * (x / cap as f64).tanh(),
+        None => x,
+    };
+    s += bias;
+    if let Some(a) = spec.alibi {
+        s -= a.slope as f64 * (i + a.offset as f64 - jf).abs();
+    }
+    Some(s)
+}
+
+/// [`attention_head`] with an optional attention-sink logit that joins every row's softmax
+/// denominator and carries no value (the lse includes it; a row with no visible key still gives
+/// zeros, and its lse is the sink).
+pub fn attention_head_with_sink(
+    lq: usize,
+    lk: usize,
+    dv: usize,
+    sink: Option<f64>,
+    logit: impl Fn(usize, usize) -> Option<f64>,
+    v: impl Fn(usize, usize) -> f64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let mut out = vec![0.0; lq * dv];
     let mut lse = vec![f64::NEG_INFINITY; lq];
     let mut w = vec![0.0; lq * lk];
@@ -55,11 +100,12 @@ pub fn attention_head(
         let s: Vec<f64> = (0..lk)
             .map(|j| logit(i, j).unwrap_or(f64::NEG_INFINITY))
             .collect();
-        let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let sk = sink.unwrap_or(f64::NEG_INFINITY);
+        let mx = s.iter().cloned().fold(sk, f64::max);
         if mx == f64::NEG_INFINITY {
             continue;
         }
-        let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+        let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum::<f64>() + (sk - mx).exp();
         lse[i] = mx + sum.ln();
         for j in 0..lk {
             let p = (s[j] - mx).exp() / sum;

@@ -1,7 +1,7 @@
 //! Every kernel on every ISA this CPU has, against its f64 twin in `reference`.
 //! Set `ATTNKIT_REQUIRE_ISAS=avx2,avx512` to fail (not skip) when a path is missing.
 
-use attnkit_kernels::{flash_forward, reference, scratch_len, FlashArgs, Isa};
+use attnkit_kernels::{flash_forward, reference, scratch_len, Alibi, FlashArgs, Isa, ScoreSpec};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -176,6 +176,13 @@ fn flash_forward_matches_reference() {
             };
             let use_bias = case % 5 == 1;
             let use_mask = case % 6 == 2;
+            // Score modifiers, crossing each other and the masks above.
+            let softcap = (case % 8 == 3 || case % 8 == 6).then(|| rng.gen_range(0.5..3.0f32));
+            let alibi = (case % 9 == 2 || case % 9 == 5).then(|| Alibi {
+                slope: rng.gen_range(-0.2..0.5f32),
+                offset: rng.gen_range(-3..(n as isize + 3)),
+            });
+            let sink = (case % 7 == 4 || case % 7 == 1).then(|| rng.gen_range(-3.0..3.0f32));
             let (ldq, ldk, ldv, ldo) = (d + 1, d + 2, dv + 3, dv + 5);
             let q: Vec<f32> = (0..m * ldq).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let k: Vec<f32> = (0..n * ldk).map(|_| rng.gen_range(-1.0..1.0)).collect();
@@ -186,24 +193,14 @@ fn flash_forward_matches_reference() {
             let mut o = vec![f32::NAN; m * ldo];
             let mut lse = vec![0.0f32; m];
             let mut wts = vec![f32::NAN; m * n];
-            let args = FlashArgs {
-                m,
-                n,
-                d,
-                dv,
+            let spec = ScoreSpec {
                 row0,
-                scale,
                 key_len,
                 causal,
                 window,
-                q: q.as_ptr(),
-                ldq,
-                k: k.as_ptr(),
-                ldk,
-                v: v.as_ptr(),
-                ldv,
-                o: o.as_mut_ptr(),
-                ldo,
+                softcap,
+                alibi,
+                sink,
                 bias: if use_bias {
                     bias.as_ptr()
                 } else {
@@ -216,6 +213,22 @@ fn flash_forward_matches_reference() {
                     std::ptr::null()
                 },
                 ldmask: n,
+            };
+            let args = FlashArgs {
+                m,
+                n,
+                d,
+                dv,
+                scale,
+                spec,
+                q: q.as_ptr(),
+                ldq,
+                k: k.as_ptr(),
+                ldk,
+                v: v.as_ptr(),
+                ldv,
+                o: o.as_mut_ptr(),
+                ldo,
                 lse: lse.as_mut_ptr(),
                 weights: wts.as_mut_ptr(),
                 ldw: n,
@@ -223,38 +236,26 @@ fn flash_forward_matches_reference() {
             let mut scratch = vec![0.0f32; scratch_len(m, d, dv)];
             // SAFETY: every buffer above covers the extents in `args`; the ISA is supported.
             unsafe { flash_forward(isa, &args, &mut scratch) };
-            let (want, want_lse, want_w) = reference::attention_head(
+            let (want, want_lse, want_w) = reference::attention_head_with_sink(
                 m,
                 n,
                 dv,
+                sink.map(f64::from),
                 |i, j| {
-                    let r = (row0 + i) as isize;
-                    if j >= key_len || causal.is_some_and(|off| j as isize > r + off) {
-                        return None;
-                    }
-                    if let (Some(w), Some(off)) = (window, causal) {
-                        if (j as isize) <= r + off - w as isize {
-                            return None;
-                        }
-                    }
-                    if use_mask && !mask[i * n + j] {
-                        return None;
-                    }
                     let dot: f64 = (0..d)
                         .map(|p| q[i * ldq + p] as f64 * k[j * ldk + p] as f64)
                         .sum();
-                    Some(
-                        dot * scale as f64
-                            + if use_bias {
-                                bias[i * n + j] as f64
-                            } else {
-                                0.0
-                            },
-                    )
+                    let b = if use_bias {
+                        bias[i * n + j] as f64
+                    } else {
+                        0.0
+                    };
+                    let attend = !use_mask || mask[i * n + j];
+                    reference::logit(&spec, i, j, dot * scale as f64, b, attend)
                 },
                 |j, c| v[j * ldv + c] as f64,
             );
-            let ctx = format!("{isa} case {case}: m={m} n={n} d={d} dv={dv} causal={causal:?} window={window:?} key_len={key_len}");
+            let ctx = format!("{isa} case {case}: m={m} n={n} d={d} dv={dv} causal={causal:?} window={window:?} key_len={key_len} softcap={softcap:?} alibi={alibi:?} sink={sink:?}");
             for i in 0..m {
                 for c in 0..dv {
                     let (g, w) = (o[i * ldo + c] as f64, want[i * dv + c]);
@@ -347,20 +348,22 @@ fn decode_partials_merge_to_reference() {
                     } else {
                         0
                     };
+                    let mut spec = range_spec(lo, hi, n);
+                    if use_bias {
+                        spec.bias = bias[r * n..].as_ptr();
+                    }
+                    if use_mask {
+                        spec.mask = mask[r * n..].as_ptr();
+                    }
+                    spec.softcap = (case % 8 == 3).then(|| rng.gen_range(0.5..3.0f32));
+                    spec.alibi = (case % 9 == 2 || case % 9 == 7).then(|| Alibi {
+                        slope: rng.gen_range(-0.2..0.5f32),
+                        offset: rng.gen_range(-3..(n as isize + 3)),
+                    });
+                    spec.sink = (case % 5 == 4).then(|| rng.gen_range(-3.0..3.0f32));
                     DecodeRow {
                         q: q[r * d..].as_ptr(),
-                        hi,
-                        lo,
-                        bias: if use_bias {
-                            bias[r * n..].as_ptr()
-                        } else {
-                            std::ptr::null()
-                        },
-                        mask: if use_mask {
-                            mask[r * n..].as_ptr()
-                        } else {
-                            std::ptr::null()
-                        },
+                        spec,
                     }
                 })
                 .collect();
@@ -397,32 +400,30 @@ fn decode_partials_merge_to_reference() {
             }
             for r in 0..rows_n {
                 let mut out = vec![0.0; dv];
-                let lse = merge_partials(&parts[r * pl..], rows_n * pl, chunks, &mut out);
-                let row = rows[r];
-                let (want, want_lse, _) = reference::attention_head(
+                let spec = rows[r].spec;
+                let lse =
+                    merge_partials(&parts[r * pl..], rows_n * pl, chunks, spec.sink, &mut out);
+                let (want, want_lse, _) = reference::attention_head_with_sink(
                     1,
                     n,
                     dv,
+                    spec.sink.map(f64::from),
                     |_, j| {
-                        if j < row.lo || j >= row.hi || (use_mask && !mask[r * n + j]) {
-                            return None;
-                        }
                         let dot: f64 = (0..d)
                             .map(|p| q[r * d + p] as f64 * k[j * ldk + p] as f64)
                             .sum();
-                        Some(
-                            dot * scale as f64
-                                + if use_bias {
-                                    bias[r * n + j] as f64
-                                } else {
-                                    0.0
-                                },
-                        )
+                        let b = if use_bias {
+                            bias[r * n + j] as f64
+                        } else {
+                            0.0
+                        };
+                        let attend = !use_mask || mask[r * n + j];
+                        reference::logit(&spec, 0, j, dot * scale as f64, b, attend)
                     },
                     |j, c| v[j * ldv + c] as f64,
                 );
                 let ctx = format!(
-                    "{isa} {walk:?} case {case} row {r}: n={n} d={d} dv={dv} chunks={chunks}"
+                    "{isa} {walk:?} case {case} row {r}: n={n} d={d} dv={dv} chunks={chunks} spec={spec:?}"
                 );
                 for c in 0..dv {
                     let (g, w) = (out[c] as f64, want[c]);
@@ -456,10 +457,7 @@ fn decode_split_counts_agree_with_unsplit() {
     let rows: Vec<DecodeRow> = (0..rows_n)
         .map(|r| DecodeRow {
             q: q[r * d..].as_ptr(),
-            hi: n - r,
-            lo: 0,
-            bias: std::ptr::null(),
-            mask: std::ptr::null(),
+            spec: range_spec(0, n - r, n),
         })
         .collect();
     let pl = partial_len(dv);
@@ -499,6 +497,7 @@ fn decode_split_counts_agree_with_unsplit() {
                     &parts[r * pl..],
                     rows_n * pl,
                     chunks,
+                    None,
                     &mut out[r * dv..(r + 1) * dv],
                 );
             }
@@ -513,5 +512,15 @@ fn decode_split_counts_agree_with_unsplit() {
                 );
             }
         }
+    }
+}
+
+/// A spec whose one row sees exactly keys `[lo, hi)` of `n` (a causal diagonal at `hi` and a
+/// window of `hi − lo`).
+fn range_spec(lo: usize, hi: usize, n: usize) -> ScoreSpec {
+    ScoreSpec {
+        causal: Some(hi as isize - 1),
+        window: (lo > 0).then_some(hi - lo),
+        ..ScoreSpec::new(n)
     }
 }

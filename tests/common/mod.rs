@@ -136,6 +136,13 @@ pub struct Problem<'a> {
     pub window: Option<usize>,
     pub mask: RefMask<'a>,
     pub key_lengths: Option<&'a [usize]>,
+    /// ALiBi slopes per query head: `−slope[h]·|i + off − j|`, `off = 0` under top-left causal
+    /// masking, else `len_b − Lq`.
+    pub alibi: Option<&'a [f32]>,
+    /// `cap·tanh(x/cap)` on the scaled score, before bias and masks.
+    pub softcap: Option<f64>,
+    /// Sink logit per query head, in the softmax denominator only.
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// Reference results: output `(B, Hq, Lq, Dv)`, logsumexp `(B, Hq, Lq)`, weights `(B, Hq, Lq, Lk)`.
@@ -208,13 +215,23 @@ pub fn reference(p: &Problem) -> RefOut {
                         .zip(krow)
                         .map(|(&a, &b)| a as f64 * b as f64)
                         .sum();
-                    *sj = p.scale * dot + bias;
+                    let x = p.scale * dot;
+                    let x = p.softcap.map_or(x, |c| c * (x / c).tanh());
+                    let alibi = p.alibi.map_or(0.0, |a| {
+                        let off = match p.causal {
+                            Some(Causal::TopLeft) => 0.0,
+                            _ => klen as f64 - lq as f64,
+                        };
+                        -(a[h] as f64) * (i as f64 + off - j as f64).abs()
+                    });
+                    *sj = x + bias + alibi;
                 }
-                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sink = p.sinks.map_or(f64::NEG_INFINITY, |x| x[h] as f64);
+                let mx = s.iter().cloned().fold(sink, f64::max);
                 if mx == f64::NEG_INFINITY {
                     continue;
                 }
-                let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+                let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum::<f64>() + (sink - mx).exp();
                 lse[row] = mx + sum.ln();
                 let o = &mut out[row * dv..(row + 1) * dv];
                 for (j, &sj) in s.iter().enumerate() {

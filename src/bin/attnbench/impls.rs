@@ -113,13 +113,83 @@ fn shapes(case: &Case) -> ([usize; 4], [usize; 4]) {
     )
 }
 
-fn options(case: &Case, isa: Isa) -> SdpaOptions<'static> {
-    let o = SdpaOptions::new().isa(isa);
-    if case.causal {
-        o.causal(Causal::TopLeft)
-    } else {
-        o
+/// Score modifiers asked for on the command line (`--alibi`, `--softcap`, `--sinks`), applied to
+/// our implementations only.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Modifiers {
+    pub alibi: bool,
+    pub softcap: Option<f32>,
+    pub sinks: bool,
+}
+
+static MODIFIERS: std::sync::Mutex<Modifiers> = std::sync::Mutex::new(Modifiers {
+    alibi: false,
+    softcap: None,
+    sinks: false,
+});
+
+/// The modifiers, for the argument parser to set.
+pub fn modifiers_mut() -> std::sync::MutexGuard<'static, Modifiers> {
+    MODIFIERS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn modifiers() -> Modifiers {
+    *modifiers_mut()
+}
+
+/// `+alibi+softcap+sinks` (those in use) for implementations that apply them, else empty.
+pub fn modifiers_tag(imp: &str) -> String {
+    let m = modifiers();
+    if !imp.starts_with("fused") && !imp.starts_with("unfused") {
+        return String::new();
     }
+    let mut t = String::new();
+    for (on, name) in [
+        (m.alibi, "+alibi"),
+        (m.softcap.is_some(), "+softcap"),
+        (m.sinks, "+sinks"),
+    ] {
+        if on {
+            t.push_str(name);
+        }
+    }
+    t
+}
+
+/// Per-head slopes and sinks for `h` heads, made once per head count and kept for the process.
+fn per_head(h: usize) -> (&'static [f32], &'static [f32]) {
+    use std::collections::HashMap;
+    type Cache = HashMap<usize, (&'static [f32], &'static [f32])>;
+    static CACHE: std::sync::Mutex<Option<Cache>> = std::sync::Mutex::new(None);
+    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    *c.get_or_insert_with(HashMap::new)
+        .entry(h)
+        .or_insert_with(|| {
+            let slopes = attnkit::alibi_slopes(h, 8.0).leak();
+            let sinks: Vec<f32> = (0..h)
+                .map(|i| -2.0 + 4.0 * i as f32 / h.max(2) as f32)
+                .collect();
+            (slopes, sinks.leak())
+        })
+}
+
+fn options(case: &Case, isa: Isa) -> SdpaOptions<'static> {
+    let mut o = SdpaOptions::new().isa(isa);
+    if case.causal {
+        o = o.causal(Causal::TopLeft);
+    }
+    let m = modifiers();
+    let (slopes, sinks) = per_head(case.h);
+    if m.alibi {
+        o = o.alibi(slopes);
+    }
+    if let Some(cap) = m.softcap {
+        o = o.softcap(cap);
+    }
+    if m.sinks {
+        o = o.sinks(sinks);
+    }
+    o
 }
 
 /// `attnkit::sdpa`: the fused kernels on the current rayon pool, the path chosen from the shape

@@ -61,6 +61,10 @@ RUN
   --huge-pages        ask for transparent huge pages for Q, K, V (Linux madvise; what KvCache
                       does for its own buffers; matters for decode, see BENCHMARKS.md); the
                       implementations are reported as NAME+thp
+  --alibi             ALiBi with the standard slopes (max bias 8) on our implementations
+  --softcap CAP       softcap CAP on our implementations
+  --sinks             one attention-sink logit per head (uniform in [-2, 2]) on ours
+                      (each modifier tags the implementation: fused+alibi+softcap+sinks)
   --naive-max M       largest case for naive, in millions of multiply-adds (default 32)
   --peak GFLOPS       one thread's FMA peak, instead of the probe (scaled by the thread count)
 OUTPUT
@@ -211,6 +215,9 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
             "--max-time" => cfg.max_time = num(value(&mut it)?)?,
             "--seed" => cfg.seed = int(value(&mut it)?)? as u64,
             "--huge-pages" => cfg.huge_pages = true,
+            "--alibi" => impls::modifiers_mut().alibi = true,
+            "--softcap" => impls::modifiers_mut().softcap = Some(num(value(&mut it)?)? as f32),
+            "--sinks" => impls::modifiers_mut().sinks = true,
             "--cold" => cfg.cold = true,
             "--naive-max" => cfg.naive_max = num(value(&mut it)?)? * 1e6,
             "--peak" => cfg.peak = Some(num(value(&mut it)?)?),
@@ -480,7 +487,12 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
                 }
                 let rec = Record {
                     // Huge-page runs get their own rows in the tables.
-                    imp: format!("{}{}", imp.name(), if cfg.huge_pages { "+thp" } else { "" }),
+                    imp: format!(
+                        "{}{}{}",
+                        imp.name(),
+                        impls::modifiers_tag(imp.name()),
+                        if cfg.huge_pages { "+thp" } else { "" }
+                    ),
                     case: *case,
                     threads,
                     isa: imp.isa_label(cfg.isa, case),
