@@ -872,10 +872,228 @@ golden_tests!(
     decode,
 );
 
+// ---------------------------------------------------------------------------------------------
+// Score modifiers: ALiBi, softcap, attention sinks (kinds `sdpa_alibi`, `sdpa_softcap`,
+// `sdpa_sinks`). Their masking is given by `params` (`causal_semantics`, `causal_alignment`,
+// `sliding_window`) rather than by `torch_call`, which spells the whole computation out.
+
+const MODIFIER_KINDS: [&str; 3] = ["sdpa_alibi", "sdpa_softcap", "sdpa_sinks"];
+
+const MODIFIER_CASES: [&str; 7] = [
+    "sdpa_alibi",
+    "sdpa_alibi_causal",
+    "sdpa_alibi_decode",
+    "sdpa_softcap",
+    "sdpa_softcap_causal_gqa",
+    "sdpa_sinks",
+    "sdpa_sinks_window",
+];
+
+/// Runs a modifier case on every ISA, every `Run` and each way of passing its masking (the
+/// causal option with its window; the stored `mask.u8` where there is one), and its logsumexp on
+/// the prefill and decode kernels, all against the f64 golden.
+fn check_modifier_case(name: &str) {
+    let g = Golden::open(name);
+    let p = |k: &str| g.param(k).usize();
+    let (b, h, hkv, lq, lk, d) = (p("B"), p("H"), p("H_kv"), p("Lq"), p("Lk"), p("D"));
+    let (q, _) = g.f32("q");
+    let (k, _) = g.f32("k");
+    let (v, vs) = g.f32("v");
+    let dv = vs[3];
+    let os = [b, h, lq, dv];
+    let x = Inputs {
+        q,
+        k,
+        v,
+        qs: [b, h, lq, d],
+        ks: [b, hkv, lk, d],
+        vs: [b, hkv, lk, dv],
+        os,
+    };
+    let (want, _) = g.f64_out("out_f64").expect("out_f64");
+    let (want_lse, _) = g.f64_out("lse_f64").expect("lse_f64");
+    assert!(
+        g.param("scale").is_null(),
+        "{name}: custom scales not mapped"
+    );
+    let slopes = g.has_input("slopes").then(|| g.f32("slopes").0);
+    let sinks = g.has_input("sinks").then(|| g.f32("sinks").0);
+    let softcap = g.meta.at("params").get("softcap").map(|c| c.num() as f32);
+    let causal = g.param("causal_semantics").bool().then(|| {
+        if g.param("causal_alignment")
+            .str()
+            .starts_with("bottom-right")
+        {
+            Causal::BottomRight
+        } else {
+            Causal::TopLeft
+        }
+    });
+    let window = match g.meta.at("params").get("sliding_window") {
+        Some(w) if !w.is_null() => Some(w.usize()),
+        _ => None,
+    };
+    let base = |isa: Option<Isa>| {
+        let mut o = SdpaOptions::new();
+        if let Some(isa) = isa {
+            o = o.isa(isa);
+        }
+        if let Some(s) = &slopes {
+            o = o.alibi(s);
+        }
+        if let Some(s) = &sinks {
+            o = o.sinks(s);
+        }
+        if let Some(c) = softcap {
+            o = o.softcap(c);
+        }
+        o
+    };
+    let mask = g.has_input("mask").then(|| {
+        let (m, s) = g.bools("mask");
+        (m, mask_shape(&s))
+    });
+    let ways = |isa: Option<Isa>| {
+        let mut w = Vec::new();
+        let mut o = base(isa);
+        if let Some(c) = causal {
+            o = o.causal(c);
+        }
+        if let Some(win) = window {
+            o = o.window(win);
+        }
+        w.push(("options", o));
+        if let Some((m, s)) = &mask {
+            // Without a causal option, ALiBi is bottom-right aligned, as the golden's bias is.
+            w.push(("mask.u8", base(isa).bool_mask(MaskRef::new(m, *s))));
+        }
+        w
+    };
+    let check = |got: &[f32], want: &[f64], what: &str| -> f64 {
+        let (max, bad, first) = compare(got, want);
+        if let Some(i) = first {
+            panic!(
+                "{name} {what}: {bad} elements outside {ATOL:e} + {RTOL:e}·|golden|, max err {max:e}; \
+                 first at flat index {i}: got {}, golden {}",
+                got[i], want[i]
+            );
+        }
+        max
+    };
+    let mut report = Vec::new();
+    for isa in isas() {
+        let (mut worst, mut worst_lse) = (0.0f64, 0.0f64);
+        for (way, opts) in ways(Some(isa)) {
+            for how in RUNS {
+                let got = run(&x, &opts, how);
+                worst = worst.max(check(&got, &want, &format!("[{way}] {isa} {how:?}")));
+            }
+            for kernel in [Kernel::Prefill, Kernel::Decode] {
+                let mut lse = vec![f32::NAN; b * h * lq];
+                let mut out = vec![f32::NAN; os.iter().product()];
+                sdpa_ext(
+                    &Tensor::bhld(&x.q, x.qs),
+                    &Tensor::bhld(&x.k, x.ks),
+                    &Tensor::bhld(&x.v, x.vs),
+                    &mut TensorMut::bhld(&mut out, os),
+                    &opts.path(kernel),
+                    Extras {
+                        lse: Some(&mut lse),
+                        weights: None,
+                    },
+                )
+                .unwrap();
+                let what = format!("[{way}] {isa} {kernel:?}");
+                worst = worst.max(check(&out, &want, &what));
+                worst_lse = worst_lse.max(check(&lse, &want_lse, &format!("{what} lse")));
+            }
+        }
+        report.push(format!(
+            "golden {name:<29} {:<7} max err: out {worst:8.2e}, lse {worst_lse:8.2e}",
+            isa.name()
+        ));
+    }
+    let detected = Isa::detect().expect("ATTNKIT_ISA names an unsupported ISA");
+    for (way, opts) in ways(None) {
+        check(
+            &run(&x, &opts, Run::AutoBhld),
+            &want,
+            &format!("[{way}] detected {detected}"),
+        );
+    }
+    eprintln!("\n{}", report.join("\n"));
+}
+
+macro_rules! modifier_golden_tests {
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                check_modifier_case(stringify!($case));
+            }
+        )*
+        #[test]
+        fn the_modifier_test_list_matches_cases() {
+            let tests = [$(stringify!($case)),*];
+            assert_eq!(tests[..], MODIFIER_CASES[..]);
+        }
+    };
+}
+
+modifier_golden_tests!(
+    sdpa_alibi,
+    sdpa_alibi_causal,
+    sdpa_alibi_decode,
+    sdpa_softcap,
+    sdpa_softcap_causal_gqa,
+    sdpa_sinks,
+    sdpa_sinks_window,
+);
+
+/// The golden cases of `kinds` in `tests/data`, and (when `shared/golden` is present) in the
+/// shared set.
+fn cases_of_kinds(kinds: &[&str]) -> (Vec<String>, Option<Vec<String>>) {
+    let of = |dir: &Path| -> Option<Vec<String>> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let meta = std::fs::read_to_string(e.path().join("meta.json")).ok()?;
+                let kind = Json::parse(&meta).at("kind").str().to_string();
+                kinds
+                    .contains(&kind.as_str())
+                    .then(|| e.file_name().to_string_lossy().into_owned())
+            })
+            .collect();
+        v.sort();
+        Some(v)
+    };
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/golden");
+    (of(&data_dir()).expect("tests/data"), of(&shared))
+}
+
+/// Every modifier case in `tests/data` is tested, and every one of the shared set was copied.
+#[test]
+fn every_modifier_case_is_copied_and_tested() {
+    let (ours, shared) = cases_of_kinds(&MODIFIER_KINDS);
+    let mut cases: Vec<String> = MODIFIER_CASES.iter().map(|s| s.to_string()).collect();
+    cases.sort();
+    assert_eq!(
+        ours, cases,
+        "the modifier cases in tests/data and MODIFIER_CASES disagree"
+    );
+    if let Some(shared) = shared {
+        assert_eq!(
+            shared, cases,
+            "shared modifier cases not all copied into tests/data"
+        );
+    }
+}
+
 /// Every SDPA case in `tests/data` (`"kind": "sdpa"` in its meta.json; other kinds belong to
 /// other test files) is checked by a test here, so a copied case cannot be forgotten, and every
 /// SDPA case of the shared golden set was copied when that set is present. (The shared set also
-/// holds kinds this crate does not implement yet — `sdpa_lowp`, `sdpa_softcap`, … — which the
+/// holds kinds this crate does not implement yet — `sdpa_lowp`, `sdpa_backward`, … — which the
 /// issues that add them copy.)
 #[test]
 fn every_sdpa_case_in_tests_data_is_tested() {

@@ -325,6 +325,8 @@ unsafe fn mask_block<S: SimdDiv>(a: &FlashArgs, j0: usize, nb: usize, mp: usize,
         unsafe { spec.hide_t::<S>(a.m, j0, nb, mp, s) };
         return;
     }
+    // Masks, modifiers and weights: kept off the hot path's code layout.
+    cold_path();
     // SAFETY: bias/mask/weights rows < m and columns < n are in bounds per `forward`'s contract.
     unsafe {
         spec.apply_t::<S>(a.m, j0, nb, mp, s, LOG2E);
@@ -338,6 +340,11 @@ unsafe fn mask_block<S: SimdDiv>(a: &FlashArgs, j0: usize, nb: usize, mp: usize,
         }
     }
 }
+
+/// Marks the branch that calls it as unlikely, so that the compiler lays it out of line.
+#[cold]
+#[inline(never)]
+fn cold_path() {}
 
 /// One online-softmax step on `Sᵀ[nb × mp]`, per query lane: new max, `α = 2^(m_old − m_new)`,
 /// `Sᵀ ← 2^(Sᵀ − m_new)` in place, `l ← α·l + Σ`. Returns whether any `α` differs from 1.

@@ -16,7 +16,7 @@
 //! `apply` takes the unit `u` and scales the constants, since `u·cap·tanh(x/cap) =
 //! (u·cap)·tanh(u·x/(u·cap))`.
 
-use crate::simd::{tanh, Simd, SimdDiv};
+use crate::simd::{tanh_with, Simd, SimdDiv};
 
 /// Causal masking: key `j` is visible to query row `i` (index in the whole query sequence) iff
 /// `j ≤ i + offset`. Top-left alignment is `offset = 0`, bottom-right is `offset = Lk − Lq`.
@@ -160,21 +160,41 @@ impl ScoreSpec {
     ) {
         // SAFETY: per the contract; every vector access is a whole lane group below nb·mp.
         unsafe {
-            if let Some(cap) = self.softcap {
-                softcap::<S>(&mut s[..nb * mp], cap * u);
-            }
-            if let Some(al) = self.alibi {
+            // Softcap and ALiBi in one pass over the tile.
+            let cap = self.softcap.map_or(1.0, |c| c * u);
+            let (cv, inv) = (S::splat(cap), S::splat(1.0 / cap));
+            let (slope, pos0) = self.alibi.map_or((0.0, 0.0), |al| {
                 // Lane r of key row j: |row0 + r + offset − (j0 + j)|.
-                let slope = S::splat(-al.slope * u);
-                let pos0 = self.row0 as f64 + al.offset as f64 - j0 as f64;
-                for j in 0..nb {
-                    for c in (0..mp).step_by(S::W) {
-                        let p = s.as_mut_ptr().add(j * mp + c);
-                        let base = S::splat((pos0 - j as f64 + c as f64) as f32);
-                        let dist = abs::<S>(S::add(S::load(IOTA.as_ptr()), base));
-                        S::store(p, S::fma(dist, slope, S::load(p)));
+                (
+                    -al.slope * u,
+                    self.row0 as f64 + al.offset as f64 - j0 as f64,
+                )
+            });
+            let sv = S::splat(slope);
+            macro_rules! pass {
+                ($cap:expr, $alibi:expr) => {
+                    for j in 0..nb {
+                        for c in (0..mp).step_by(S::W) {
+                            let p = s.as_mut_ptr().add(j * mp + c);
+                            let mut x = S::load(p);
+                            if $cap {
+                                x = S::mul(cv, tanh_with::<S, true>(S::mul(x, inv)));
+                            }
+                            if $alibi {
+                                let base = S::splat((pos0 - j as f64 + c as f64) as f32);
+                                let dist = abs::<S>(S::add(S::load(IOTA.as_ptr()), base));
+                                x = S::fma(dist, sv, x);
+                            }
+                            S::store(p, x);
+                        }
                     }
-                }
+                };
+            }
+            match (self.softcap.is_some(), self.alibi.is_some()) {
+                (true, true) => pass!(true, true),
+                (true, false) => pass!(true, false),
+                (false, true) => pass!(false, true),
+                (false, false) => {}
             }
             for j in 0..nb {
                 let jj = j0 + j;
@@ -325,7 +345,7 @@ unsafe fn softcap<S: SimdDiv>(x: &mut [f32], cap: f32) {
         let (c, inv) = (S::splat(cap), S::splat(1.0 / cap));
         for ch in x.chunks_exact_mut(S::W) {
             let p = ch.as_mut_ptr();
-            S::store(p, S::mul(c, tanh::<S>(S::mul(S::load(p), inv))));
+            S::store(p, S::mul(c, tanh_with::<S, true>(S::mul(S::load(p), inv))));
         }
     }
 }

@@ -239,6 +239,13 @@ impl Simd for Portable {
 pub(crate) trait SimdDiv: Simd {
     /// `a / b`, IEEE (correctly rounded).
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
+    /// `1 / a` to within 2 ulp for normal, finite `a` (an estimate refined by one Newton step
+    /// where the ISA has one: a division's throughput is the bottleneck of the softcap).
+    #[inline(always)]
+    unsafe fn recip(a: Self::V) -> Self::V {
+        // SAFETY: forwarded contract.
+        unsafe { Self::div(Self::splat(1.0), a) }
+    }
 }
 
 impl SimdDiv for Portable {
@@ -256,6 +263,15 @@ impl SimdDiv for crate::x86_64::avx2::Avx2 {
         // `Isa::Avx2.is_supported()` (see the `Simd` impl of `Avx2`).
         unsafe { core::arch::x86_64::_mm256_div_ps(a, b) }
     }
+    #[inline(always)]
+    unsafe fn recip(a: Self::V) -> Self::V {
+        use core::arch::x86_64::*;
+        // SAFETY: as `div`. 12-bit estimate, then r·(2 − a·r).
+        unsafe {
+            let r = _mm256_rcp_ps(a);
+            _mm256_mul_ps(r, _mm256_fnmadd_ps(a, r, _mm256_set1_ps(2.0)))
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -265,6 +281,15 @@ impl SimdDiv for crate::x86_64::avx512::Avx512 {
         // SAFETY: only reached from `target_feature(enable = "avx512f")` code entered after
         // `Isa::Avx512.is_supported()` (see the `Simd` impl of `Avx512`).
         unsafe { core::arch::x86_64::_mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn recip(a: Self::V) -> Self::V {
+        use core::arch::x86_64::*;
+        // SAFETY: as `div`. 14-bit estimate, then r·(2 − a·r).
+        unsafe {
+            let r = _mm512_rcp14_ps(a);
+            _mm512_mul_ps(r, _mm512_fnmadd_ps(a, r, _mm512_set1_ps(2.0)))
+        }
     }
 }
 
@@ -299,6 +324,14 @@ const TANH_BETA: [f32; 4] = [4.893_525e-3, 2.268_434_7e-3, 1.185_347_1e-4, 1.198
 /// two roundings per step) measures at most 6.7 ulp and 4.0e-7 absolute, exhaustively.
 #[inline(always)]
 pub(crate) unsafe fn tanh<S: SimdDiv>(x: S::V) -> S::V {
+    // SAFETY: forwarded contract.
+    unsafe { tanh_with::<S, false>(x) }
+}
+
+/// [`tanh`] with the quotient taken through [`SimdDiv::recip`] when `FAST` (up to 2 ulp more;
+/// for the softcap, whose logits are only ever accurate to an ulp of the cap).
+#[inline(always)]
+pub(crate) unsafe fn tanh_with<S: SimdDiv, const FAST: bool>(x: S::V) -> S::V {
     // SAFETY: register-only arithmetic; the ISA is enabled per the trait's contract.
     unsafe {
         // Operand order matters: NaN in `x` must win the clamp so it reaches the result.
@@ -316,7 +349,12 @@ pub(crate) unsafe fn tanh<S: SimdDiv>(x: S::V) -> S::V {
         q = S::fma(q, x2, S::splat(TANH_BETA[2]));
         q = S::fma(q, x2, S::splat(TANH_BETA[1]));
         q = S::fma(q, x2, S::splat(TANH_BETA[0]));
-        S::mul(x, S::div(p, q))
+        let quot = if FAST {
+            S::mul(p, S::recip(q))
+        } else {
+            S::div(p, q)
+        };
+        S::mul(x, quot)
     }
 }
 

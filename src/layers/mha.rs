@@ -256,6 +256,13 @@ pub struct MhaOptions<'a> {
     pub backend: Backend,
     /// Attention kernel.
     pub path: AttnPath,
+    /// ALiBi slopes, one per head (see [`crate::SdpaOptions::alibi`]; [`crate::alibi_slopes`]
+    /// makes the standard ones).
+    pub alibi: Option<&'a [f32]>,
+    /// Softcap of the scaled scores (see [`crate::SdpaOptions::softcap`]).
+    pub softcap: Option<f32>,
+    /// Attention-sink logits, one per head (see [`crate::SdpaOptions::sinks`]).
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl Default for MhaOptions<'_> {
@@ -270,6 +277,9 @@ impl Default for MhaOptions<'_> {
             par: Par::Rayon,
             backend: Backend::default(),
             path: AttnPath::Fused,
+            alibi: None,
+            softcap: None,
+            sinks: None,
         }
     }
 }
@@ -318,6 +328,21 @@ impl<'a> MhaOptions<'a> {
     /// Sets the attention kernel.
     pub fn path(mut self, path: AttnPath) -> Self {
         self.path = path;
+        self
+    }
+    /// Sets ALiBi slopes (one per head).
+    pub fn alibi(mut self, slopes: &'a [f32]) -> Self {
+        self.alibi = Some(slopes);
+        self
+    }
+    /// Sets a softcap.
+    pub fn softcap(mut self, cap: f32) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
+    /// Sets attention-sink logits (one per head).
+    pub fn sinks(mut self, sinks: &'a [f32]) -> Self {
+        self.sinks = Some(sinks);
         self
     }
 }
@@ -523,6 +548,9 @@ impl Core {
         let mut sdpa_opts = SdpaOptions {
             isa: Some(isa),
             par: opts.par,
+            alibi: opts.alibi,
+            softcap: opts.softcap,
+            sinks: opts.sinks,
             ..SdpaOptions::default()
         };
         if opts.is_causal {
