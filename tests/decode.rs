@@ -85,18 +85,44 @@ fn decode_path_equals_prefill_path() {
 /// Token-by-token decoding through a KV cache equals one causal pass over the whole sequence.
 #[test]
 fn incremental_decoding_equals_full_causal_attention() {
+    incremental_decoding(false);
+}
+
+/// The same with ALiBi, softcap, sinks and a sliding window: each query's position in the cache
+/// (bottom-right) is its position in the full sequence (top-left).
+#[test]
+fn incremental_decoding_with_score_modifiers() {
+    incremental_decoding(true);
+}
+
+fn incremental_decoding(mods: bool) {
     let mut rng = SmallRng::seed_from_u64(11);
     let (b, hq, hkv, len, d) = (2, 8, 2, 70, 32);
     let q = randn(&mut rng, b * len * hq * d); // (B, L, Hq, D): a projection's layout
     let k = randn(&mut rng, b * len * hkv * d);
     let v = randn(&mut rng, b * len * hkv * d);
+    let slopes = attnkit::alibi_slopes(hq, 8.0);
+    let sinks: Vec<f32> = (0..hq).map(|h| h as f32 - 3.0).collect();
+    fn with<'a>(
+        o: SdpaOptions<'a>,
+        mods: bool,
+        slopes: &'a [f32],
+        sinks: &'a [f32],
+    ) -> SdpaOptions<'a> {
+        if mods {
+            o.alibi(slopes).softcap(2.0).sinks(sinks).window(9)
+        } else {
+            o
+        }
+    }
+    let modify = |o| with(o, mods, &slopes, &sinks);
     let mut full = vec![0.0; b * len * hq * d];
     sdpa(
         &Tensor::blhd(&q, [b, hq, len, d]),
         &Tensor::blhd(&k, [b, hkv, len, d]),
         &Tensor::blhd(&v, [b, hkv, len, d]),
         &mut TensorMut::blhd(&mut full, [b, hq, len, d]),
-        &SdpaOptions::new().causal(Causal::TopLeft),
+        &modify(SdpaOptions::new().causal(Causal::TopLeft)),
     )
     .unwrap();
     for isa in Isa::available() {
@@ -133,7 +159,7 @@ fn incremental_decoding_equals_full_causal_attention() {
                 .attend(
                     &qv,
                     &mut TensorMut::blhd(&mut out, [b, hq, t, d]),
-                    &SdpaOptions::new().isa(isa),
+                    &modify(SdpaOptions::new().isa(isa).causal(Causal::BottomRight)),
                 )
                 .unwrap();
             for bi in 0..b {

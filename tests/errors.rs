@@ -34,6 +34,9 @@ struct Call {
     mask: Option<(bool, [usize; 4], usize)>,
     lse: Option<usize>,
     weights: Option<usize>,
+    alibi: Option<Vec<f32>>,
+    softcap: Option<f32>,
+    sinks: Option<Vec<f32>>,
 }
 
 fn dense(s: [usize; 4]) -> usize {
@@ -59,6 +62,9 @@ impl Call {
             mask: None,
             lse: None,
             weights: None,
+            alibi: None,
+            softcap: None,
+            sinks: None,
         }
     }
 
@@ -97,6 +103,15 @@ impl Call {
         }
         if let Some(l) = &self.key_lengths {
             opts = opts.key_lengths(l);
+        }
+        if let Some(a) = &self.alibi {
+            opts = opts.alibi(a);
+        }
+        if let Some(c) = self.softcap {
+            opts = opts.softcap(c);
+        }
+        if let Some(x) = &self.sinks {
+            opts = opts.sinks(x);
         }
         if let Some((is_bias, shape, n)) = self.mask {
             if is_bias {
@@ -875,4 +890,55 @@ fn zero_value_dim_is_ok_and_lse_still_computed() {
             );
         }
     }
+}
+
+#[test]
+fn bad_score_modifiers() {
+    // Base: Hq = 4. Slopes and sinks need one value per query head.
+    for n in [0usize, 2, 3, 5] {
+        let mut c = Call::base();
+        c.alibi = Some(vec![0.5; n]);
+        expect(c.run(), mismatch("alibi", "Hq", 4, n));
+        let mut c = Call::base();
+        c.sinks = Some(vec![0.5; n]);
+        expect(c.run(), mismatch("sinks", "Hq", 4, n));
+    }
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut c = Call::base();
+        c.alibi = Some(vec![0.5, bad, 0.1, 0.2]);
+        let r = c.run();
+        assert!(
+            matches!(r, Err(AttnError::BadParam { arg: "alibi", .. })),
+            "slope {bad}: {r:?}"
+        );
+        expect(r.clone(), r.unwrap_err());
+    }
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut c = Call::base();
+        c.sinks = Some(vec![0.5, bad, 0.1, 0.2]);
+        let r = c.run();
+        assert!(
+            matches!(r, Err(AttnError::BadParam { arg: "sinks", .. })),
+            "sink {bad}: {r:?}"
+        );
+        expect(r.clone(), r.unwrap_err());
+    }
+    for bad in [0.0, -0.0, -1.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut c = Call::base();
+        c.softcap = Some(bad);
+        let r = c.run();
+        assert!(
+            matches!(r, Err(AttnError::BadParam { arg: "softcap", .. })),
+            "softcap {bad}: {r:?}"
+        );
+        expect(r.clone(), r.unwrap_err());
+    }
+    // Valid: −inf sinks (no sink for that head), negative slopes, tiny caps, all at once.
+    let mut c = Call::base();
+    c.alibi = Some(vec![-0.5, 0.0, 0.25, 1e-3]);
+    c.sinks = Some(vec![f32::NEG_INFINITY, 0.0, -3.0, 8.0]);
+    c.softcap = Some(1e-3);
+    c.causal = Some(Causal::BottomRight);
+    c.window = Some(2);
+    c.run().unwrap();
 }

@@ -1224,3 +1224,76 @@ fn results_do_not_depend_on_the_thread_count() {
         );
     }
 }
+
+/// ALiBi through `MhaOptions::alibi` equals the same penalty passed as a float `(B·H, Lq, Lk)`
+/// attn_mask, on every ISA and both kernels; sinks and softcap pass through to the kernels too
+/// (the layer with them differs from the layer without, and agrees across kernels).
+#[test]
+fn mha_score_modifiers_reach_the_kernels() {
+    let (b, l, e, h) = (2, 9, 48, 6);
+    let mha = mha_self_layer();
+    let x = f32s("mha_self", "x", b * l * e);
+    let t = Tokens::batch_first(&x, [b, l, e]);
+    let slopes = attnkit::alibi_slopes(h, 8.0);
+    let mut bias = vec![0.0f32; b * h * l * l];
+    for bh in 0..b * h {
+        for i in 0..l {
+            for j in 0..l {
+                bias[(bh * l + i) * l + j] = -slopes[bh % h] * (i as f32 - j as f32).abs();
+            }
+        }
+    }
+    let sinks: Vec<f32> = (0..h).map(|i| i as f32 - 2.0).collect();
+    for isa in isas() {
+        for path in [AttnPath::Fused, AttnPath::Unfused] {
+            let base = MhaOptions::new().isa(isa).path(path).causal(true);
+            let y = mha.forward(&t, &t, &t, &base.alibi(&slopes)).unwrap();
+            let masked = base.attn_mask(MhaMask::float_3d(&bias, b * h, l, l));
+            let want = mha.forward(&t, &t, &t, &masked).unwrap();
+            let d = y
+                .out
+                .iter()
+                .zip(&want.out)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(d <= 1e-5, "{isa} {path:?}: alibi vs its bias: {d:e}");
+            let plain = mha.forward(&t, &t, &t, &base).unwrap();
+            let modded = mha
+                .forward(&t, &t, &t, &base.sinks(&sinks).softcap(0.5))
+                .unwrap();
+            let fused = mha
+                .forward(
+                    &t,
+                    &t,
+                    &t,
+                    &base.sinks(&sinks).softcap(0.5).path(AttnPath::Fused),
+                )
+                .unwrap();
+            let moved = plain
+                .out
+                .iter()
+                .zip(&modded.out)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                moved > 1e-3,
+                "{isa} {path:?}: sinks and softcap changed nothing"
+            );
+            let d = modded
+                .out
+                .iter()
+                .zip(&fused.out)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(d <= 1e-5, "{isa} {path:?}: kernels disagree by {d:e}");
+        }
+    }
+    let bad = mha.forward(&t, &t, &t, &MhaOptions::new().alibi(&slopes[..3]));
+    assert!(
+        matches!(
+            bad,
+            Err(attnkit::AttnError::ShapeMismatch { arg: "alibi", .. })
+        ),
+        "{bad:?}"
+    );
+}
