@@ -7,6 +7,7 @@
 //! on the shape only ([`chunk_len`]), and partials are merged in chunk order, so the result is
 //! the same for every thread count.
 
+use crate::exec::SendPtr;
 use crate::options::Par;
 use crate::scratch::with_scratch;
 use crate::sdpa::Plan;
@@ -27,25 +28,6 @@ thread_local! {
     /// Partials of the split-KV path, owned by the calling thread for the duration of a call
     /// (separate from the per-task kernel scratch, which the same thread may also use).
     static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// A raw pointer the tasks may share: each task writes a disjoint range of the buffer.
-#[derive(Clone, Copy)]
-struct SharedPtr(*mut f32);
-// SAFETY: tasks write disjoint ranges (indexed by task number) and the buffer outlives them.
-unsafe impl Sync for SharedPtr {}
-// SAFETY: as above.
-unsafe impl Send for SharedPtr {}
-
-impl SharedPtr {
-    /// Element `i` (a method, so closures capture the whole `Sync` wrapper, not the raw field).
-    ///
-    /// # Safety
-    /// `i` is inside the buffer.
-    unsafe fn at(self, i: usize) -> *mut f32 {
-        // SAFETY: forwarded contract.
-        unsafe { self.0.add(i) }
-    }
 }
 
 impl Plan {
@@ -69,10 +51,10 @@ impl Plan {
         if buf.len() < len {
             buf.resize(len, 0.0);
         }
-        let parts = SharedPtr(buf.as_mut_ptr());
+        let parts = SendPtr(buf.as_mut_ptr());
         self.for_each(par, groups * chunks, |t| {
             // SAFETY: task `t` owns partial rows `[t·rows, (t+1)·rows)` of the buffer.
-            let dst = unsafe { parts.at(t * per_task) };
+            let dst = unsafe { parts.get().add(t * per_task) };
             self.decode_task(t / chunks, t % chunks, clen, dst, pl);
         });
         for grp in 0..groups {

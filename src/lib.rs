@@ -14,6 +14,7 @@
 mod alloc;
 mod decode;
 mod error;
+mod exec;
 mod gemm;
 mod heads;
 mod kv_cache;

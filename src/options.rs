@@ -57,7 +57,7 @@ pub enum Par {
 pub enum Path {
     /// Chosen from the shape: [`Path::Decode`] for few new queries (`Lq ≤ 4`, or `Lq ≤ 8`
     /// against at least 512 keys) and no weights asked for, else [`Path::Prefill`]. The
-    /// thresholds were measured; see BENCHMARKS.md.
+    /// thresholds were measured; see docs/tuning-log.md, "Path choice".
     #[default]
     Auto,
     /// The tiled flash kernel: queries on the SIMD axis, parallel over (batch, head, query block).

@@ -6,7 +6,7 @@
 //! `examples/read_bandwidth.rs` gains ≈ 10 % (25–28 → 29.5 GB/s), a probe reading K and V in
 //! alternating 16 KiB blocks as decode does ≈ 20 → 29 GB/s. Decode itself gained 0–30 % when
 //! this was added; in later runs +5–26 % at Lk = 8192 but the same or less at Lk = 32768
-//! (`BENCHMARKS.md`). Linux backs memory with
+//! (`docs/tuning-log.md`). Linux backs memory with
 //! huge pages only where `madvise(MADV_HUGEPAGE)` asked for them when THP is in `madvise` mode
 //! (the common default), so the library asks for its own buffers and offers the call to callers.
 

@@ -3,6 +3,7 @@
 
 use crate::alloc::{checked_len, zeros_for};
 use crate::error::{AttnError, Result};
+use crate::exec::{parallel, resolve_isa, run_tasks};
 use crate::options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
 use crate::scratch::with_scratch;
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
@@ -25,15 +26,11 @@ const Q_BLOCK_TALL: usize = 192;
 /// head (half of the Xeon's 2 MiB; Zen 4 has 1 MiB).
 const KV_L2_BYTES: usize = 1 << 20;
 
-/// Below this many multiply-adds a call runs on the calling thread: a rayon round trip costs
-/// more than it saves.
-const PAR_MIN_WORK: usize = 1 << 20;
-
 /// Whether [`Path::Auto`] picks the decode kernel for `lq` queries against `lk` keys. The
 /// decode kernel reads K and V once per GQA group but pays a reduction per (row, key); the tiled
 /// kernel reads them once per query head and wastes lanes below 16 rows. Crossover measured with
 /// attnbench (`fused-prefill` vs `fused-decode`, D = 64 and 128, 1 and 2 threads, group sizes
-/// 1–32; BENCHMARKS.md, "Path choice"):
+/// 1–32; docs/tuning-log.md, "Path choice"):
 /// - up to Lq = 4, decode wins at every Lk tried (16 to 32768);
 /// - at Lq = 8 it wins from Lk ≈ 512 on (1.0–2.2×) but can lose below (Lk = 8–64: up to 2.9×
 ///   slower, the split and merge cost more than the short rows);
@@ -265,10 +262,7 @@ impl Plan {
         extras: &mut Extras,
     ) -> Result<Plan> {
         let extras_weights = extras.weights.is_some();
-        let isa = match opts.isa {
-            Some(isa) => isa.check()?,
-            None => Isa::detect()?,
-        };
+        let isa = resolve_isa(opts.isa)?;
         let [b, hq, lq, d] = q.shape;
         let [_, hkv, lk, _] = k.shape;
         let dv = v.shape[3];
@@ -513,7 +507,7 @@ impl Plan {
 
     /// Whether [`Plan::for_each`] spreads `n` tasks over the rayon pool.
     fn parallel(&self, par: Par, n: usize) -> bool {
-        cfg!(feature = "rayon") && par == Par::Rayon && n > 1 && self.work() >= PAR_MIN_WORK
+        parallel(par, n, self.work())
     }
 
     /// Multiply-adds of the whole call (for the sequential/parallel decision).
@@ -532,14 +526,7 @@ impl Plan {
 
     /// Runs `f(0..n)` on the rayon pool, or inline when `par` is `Seq` or the call is small.
     pub(crate) fn for_each(&self, par: Par, n: usize, f: impl Fn(usize) + Sync + Send) {
-        #[cfg(feature = "rayon")]
-        if self.parallel(par, n) {
-            use rayon::prelude::*;
-            (0..n).into_par_iter().for_each(f);
-            return;
-        }
-        let _ = par;
-        (0..n).for_each(f);
+        run_tasks(par, n, self.work(), f)
     }
 
     /// `(b, h, row)` offset into a `(B, H, L, ·)` view with strides `st`.

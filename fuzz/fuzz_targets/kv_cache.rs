@@ -315,6 +315,9 @@ impl Fixture {
                 window: opts.window,
                 key_lengths: Some(&self.lens),
                 mask: opts.mask.as_ref(),
+                alibi: opts.alibi.as_deref(),
+                softcap: opts.softcap,
+                sinks: opts.sinks.as_deref(),
             };
             let row = |b: usize, h: usize, j: usize| (b * hkv + h) * self.s.cap + j;
             let want = spec.attention(

@@ -240,6 +240,9 @@ impl Case {
             window: self.opts.window,
             key_lengths: self.opts.key_lengths.as_deref(),
             mask: self.opts.mask.as_ref(),
+            alibi: self.opts.alibi.as_deref(),
+            softcap: self.opts.softcap,
+            sinks: self.opts.sinks.as_deref(),
         };
         Some(spec.attention(
             |b, h, i, x| self.q.at(b, h, i, x),

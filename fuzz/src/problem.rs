@@ -237,6 +237,10 @@ pub struct OptSpec {
     pub path: Path,
     pub isa: Option<Isa>,
     pub par: Par,
+    /// ALiBi slopes, softcap, sink logits.
+    pub alibi: Option<Vec<f32>>,
+    pub softcap: Option<f32>,
+    pub sinks: Option<Vec<f32>>,
 }
 
 impl OptSpec {
@@ -278,6 +282,9 @@ impl OptSpec {
             None
         };
         let par = *u.choose(&[Par::Rayon, Par::Seq])?;
+        let alibi = decode_per_head(u, dims.hq, rng, "alibi", expect)?;
+        let softcap = decode_softcap(u, expect)?;
+        let sinks = decode_per_head(u, dims.hq, rng, "sinks", expect)?;
         Ok(OptSpec {
             scale,
             causal,
@@ -287,6 +294,9 @@ impl OptSpec {
             path,
             isa,
             par,
+            alibi,
+            softcap,
+            sinks,
         })
     }
 
@@ -307,6 +317,15 @@ impl OptSpec {
         }
         if let Some(isa) = self.isa {
             o = o.isa(isa);
+        }
+        if let Some(a) = &self.alibi {
+            o = o.alibi(a);
+        }
+        if let Some(c) = self.softcap {
+            o = o.softcap(c);
+        }
+        if let Some(x) = &self.sinks {
+            o = o.sinks(x);
         }
         match &self.mask {
             None => o,
@@ -410,4 +429,65 @@ fn decode_key_lengths(
         lens.push(len);
     }
     Ok(lens)
+}
+
+/// ALiBi slopes or sink logits (1 in 4 each): one per query head, the standard slopes or values
+/// in [-8, 8] (sinks also -inf); rarely a wrong count or a value the call must refuse (NaN, or
+/// infinite where that means nothing).
+fn decode_per_head(
+    u: &mut Unstructured,
+    hq: usize,
+    rng: &mut Rng,
+    what: &'static str,
+    expect: &mut Expect,
+) -> Result<Option<Vec<f32>>> {
+    if !chance(u, 1, 4)? {
+        return Ok(None);
+    }
+    let mut n = hq.min(4096);
+    if n != hq || chance(u, 1, 32)? {
+        n = small(u, 8)?;
+        if n != hq {
+            expect.fault("per-head values of the wrong count");
+        }
+    }
+    let mut x: Vec<f32> = if what == "alibi" && chance(u, 1, 2)? {
+        attnkit::alibi_slopes(n, 8.0)
+    } else {
+        (0..n).map(|_| 8.0 * rng.value()).collect()
+    };
+    if what == "sinks" && n > 0 && chance(u, 1, 4)? {
+        x[0] = f32::NEG_INFINITY;
+    }
+    if n > 0 && chance(u, 1, 32)? {
+        let bad = *u.choose(&[f32::NAN, f32::INFINITY, f32::NEG_INFINITY])?;
+        let i = u.choose_index(n)?;
+        x[i] = bad;
+        if bad.is_nan() || bad == f32::INFINITY || what == "alibi" {
+            expect.fault("a NaN or meaningless infinite per-head value");
+        }
+    }
+    Ok(Some(x))
+}
+
+/// No softcap (3 in 4), a usual one, or one the call must refuse (not positive and finite).
+fn decode_softcap(u: &mut Unstructured, expect: &mut Expect) -> Result<Option<f32>> {
+    if !chance(u, 1, 4)? {
+        return Ok(None);
+    }
+    let c = *u.choose(&[
+        30.0,
+        1.0,
+        0.25,
+        50.0,
+        1e-3,
+        0.0,
+        -1.0,
+        f32::NAN,
+        f32::INFINITY,
+    ])?;
+    if !(c > 0.0 && c.is_finite()) {
+        expect.fault("a softcap that is not positive and finite");
+    }
+    Ok(Some(c))
 }

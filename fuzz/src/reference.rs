@@ -17,6 +17,12 @@ pub struct Spec<'a> {
     pub window: Option<usize>,
     pub key_lengths: Option<&'a [usize]>,
     pub mask: Option<&'a MaskSpec>,
+    /// ALiBi slopes per query head (aligned as the causal mask, bottom-right without one).
+    pub alibi: Option<&'a [f32]>,
+    /// `cap·tanh(x/cap)` on the scaled score, before bias and masks.
+    pub softcap: Option<f32>,
+    /// Sink logits per query head: in each row's softmax denominator, with no value.
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// Reference results, rows `r = (b·Hq + h)·Lq + i`.
@@ -99,20 +105,32 @@ impl Spec<'_> {
                                 dot += p;
                                 abs += p.abs();
                             }
-                            mag = mag.max(self.scale.abs() * abs + bias.abs());
-                            self.scale * dot + bias
+                            let mut x = self.scale * dot;
+                            let mut m = self.scale.abs() * abs;
+                            if let Some(c) = self.softcap.map(f64::from) {
+                                x = c * (x / c).tanh();
+                                m = m.min(c) + c;
+                            }
+                            let key_len = self.key_lengths.map_or(lk, |l| l[b]);
+                            let alibi = self.alibi.map_or(0.0, |a| {
+                                let off = match self.causal {
+                                    Some(Causal::TopLeft) => 0.0,
+                                    _ => key_len as f64 - lq as f64,
+                                };
+                                -f64::from(a[h]) * (i as f64 + off - j as f64).abs()
+                            });
+                            mag = mag.max(m + bias.abs() + alibi.abs());
+                            x + bias + alibi
                         });
                     }
                     e.slack[r] = LOGIT_EPS * (d as f64 + 2.0) * mag;
-                    let mx = logits
-                        .iter()
-                        .flatten()
-                        .copied()
-                        .fold(f64::NEG_INFINITY, f64::max);
+                    let sink = self.sinks.map_or(f64::NEG_INFINITY, |x| f64::from(x[h]));
+                    let mx = logits.iter().flatten().copied().fold(sink, f64::max);
                     if mx == f64::NEG_INFINITY {
                         continue;
                     }
-                    let sum: f64 = logits.iter().flatten().map(|s| (s - mx).exp()).sum();
+                    let sum: f64 = logits.iter().flatten().map(|s| (s - mx).exp()).sum::<f64>()
+                        + (sink - mx).exp();
                     e.lse[r] = mx + sum.ln();
                     for (j, s) in logits.iter().enumerate() {
                         let Some(s) = s else { continue };

@@ -29,15 +29,15 @@ const LOG2E: f32 = core::f32::consts::LOG2_E;
 /// L1.
 pub const DECODE_KEY_BLOCK: usize = 32;
 /// Keys per sub-block of the key-major walk, rounded up to whole score groups (4 KiB of K at
-/// D = 128). Measured (R = 4, DRAM): 4 keys 52 ns per key, 8 keys 47, 16 keys 52.
+/// D = 128). 8 measured fastest (R = 4, DRAM: 47 ns per key); see docs/tuning-log.md, "Decode
+/// walks".
 const SUB_KEYS: usize = 8;
-/// Software prefetch distance of the chunk-major walk, in keys, under [`DecodeWalk::Streams`].
-/// Measured on the Zen 4 VM (B1 H32 Hkv8 D128, Lk 32768, huge pages, 1 thread, medians of 3):
-/// 3 keys 12.1 GB/s, 5: 16.2, 8: 18.4, 12: 18.9, 16–48: slowly down again; T1 and T2 hints
-/// alike, NTA and T0 worse; no prefetch about half.
+/// Software prefetch distance of the chunk-major walk, in keys, under [`DecodeWalk::Streams`]:
+/// the best measured on the Zen 4 VM (18.9 GB/s, Hkv = 8, Lk 32768, one thread); see
+/// docs/tuning-log.md, "Decode walks".
 const PF_STREAMS: usize = 12;
-/// The same under [`DecodeWalk::Prefetch`]. Measured on the Xeon (Hkv = 32, Lk 8192, 1 thread,
-/// share of a plain read of K and V in the same run, 3 rounds): 12 keys 1.33, 24 keys 1.38.
+/// The same under [`DecodeWalk::Prefetch`]: the best measured on the Xeon (one-row groups:
+/// 1.38 of a plain read of K and V); see docs/tuning-log.md, "Decode walks".
 const PF_PREFETCH: usize = 24;
 
 /// How the decode kernel walks K and V; which is faster depends on the core's prefetchers.
@@ -48,11 +48,12 @@ pub enum DecodeWalk {
     Auto,
     /// K and V rows read whole as plain sequential streams, no software prefetch, except where
     /// several rows side by side defeat the hardware prefetchers (5, 7, 8-row groups). Measured
-    /// best on Zen 4, where software prefetch slowed plain streams by 20–30 %.
+    /// best on Zen 4 (software prefetch slowed plain streams by 20–30 %); see
+    /// docs/tuning-log.md, "Decode walks".
     Streams,
-    /// Every group prefetches the K and V rows 24 keys ahead in software. Measured
-    /// best on the Xeon (Sapphire Rapids class): one-row groups 1.10 → 1.33–1.38 of a plain read
-    /// of K and V, four-row groups 0.80 → 1.08–1.10 (a plain read there is not the ceiling).
+    /// Every group prefetches the K and V rows 24 keys ahead in software. Measured best on the
+    /// Xeon (Sapphire Rapids class; four-row groups 0.80 → 1.08–1.10 of a plain read of K and
+    /// V); see docs/tuning-log.md, "Decode walks".
     Prefetch,
 }
 
@@ -662,21 +663,14 @@ pub(crate) unsafe fn decode<S: SimdDiv>(
             // registers) and W = 8 (16): KEYS keys per score group (R·KEYS ≤ W accumulators);
             // P·V in passes of RG rows × NC lane chunks (RG·NC accumulators).
             //
-            // `Streams` (measured on Zen 4):
-            // - One row: one key at a time keeps K a single sequential stream, which the
-            //   hardware prefetchers follow (no software prefetch: it measured 20–30 % slower).
-            // - The key-major walk pays at W = 16 where the rows split into equal P·V passes
-            //   that each take a whole V row (attnbench, B1 D128 Lk 32768, one thread, KV GB/s,
-            //   medians of 3–5): R = 2 17.2 → 19.3, R = 3 17.4 → 19.2, R = 4 14.7 → 19.2 (huge
-            //   pages 16.8 → 20.4), R = 6 11.4 → 14.8. Not for R = 5 (15.9 → 14.3, or 16.2 →
-            //   16.7 in passes of 3 + 2), R = 7 (12.9 → 11.5), R = 8 (11.7 → 10.8). At W = 8
-            //   a V row needs two passes; R = 4 read a steady 12.4 GB/s key-major against
-            //   9.1–16.5 chunk-major (bimodal), so W = 8 stays chunk-major. The key-major speed
-            //   also depends on code layout: equivalent loops once ran 20 % slower in a probe.
+            // `Streams` (measured on Zen 4): one row reads K one key at a time as a single
+            // sequential stream, no software prefetch; at W = 16 the key-major walk for R = 2,
+            // 3, 4, 6, where the rows split into equal P·V passes that each take a whole V row
+            // (R = 4: 14.7 → 19.2 GB/s), chunk-major with prefetch for R = 5, 7, 8 and at W = 8.
+            // The key-major speed is fragile: it depends on code layout.
             //
             // `Prefetch` (measured on the Xeon): chunk-major with software prefetch for every
-            // group; against `Streams`, R = 4 read 0.80 → 1.08 of a plain read of K and V in
-            // the same run, R = 1 1.10 → 1.33 (BENCHMARKS.md).
+            // group. Figures for both: docs/tuning-log.md, "Decode walks".
             match n {
                 1 => run!(
                     1,

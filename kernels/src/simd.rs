@@ -255,44 +255,6 @@ impl SimdDiv for Portable {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-impl SimdDiv for crate::x86_64::avx2::Avx2 {
-    #[inline(always)]
-    unsafe fn div(a: Self::V, b: Self::V) -> Self::V {
-        // SAFETY: only reached from `target_feature(enable = "avx2,fma")` code entered after
-        // `Isa::Avx2.is_supported()` (see the `Simd` impl of `Avx2`).
-        unsafe { core::arch::x86_64::_mm256_div_ps(a, b) }
-    }
-    #[inline(always)]
-    unsafe fn recip(a: Self::V) -> Self::V {
-        use core::arch::x86_64::*;
-        // SAFETY: as `div`. 12-bit estimate, then r·(2 − a·r).
-        unsafe {
-            let r = _mm256_rcp_ps(a);
-            _mm256_mul_ps(r, _mm256_fnmadd_ps(a, r, _mm256_set1_ps(2.0)))
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl SimdDiv for crate::x86_64::avx512::Avx512 {
-    #[inline(always)]
-    unsafe fn div(a: Self::V, b: Self::V) -> Self::V {
-        // SAFETY: only reached from `target_feature(enable = "avx512f")` code entered after
-        // `Isa::Avx512.is_supported()` (see the `Simd` impl of `Avx512`).
-        unsafe { core::arch::x86_64::_mm512_div_ps(a, b) }
-    }
-    #[inline(always)]
-    unsafe fn recip(a: Self::V) -> Self::V {
-        use core::arch::x86_64::*;
-        // SAFETY: as `div`. 14-bit estimate, then r·(2 − a·r).
-        unsafe {
-            let r = _mm512_rcp14_ps(a);
-            _mm512_mul_ps(r, _mm512_fnmadd_ps(a, r, _mm512_set1_ps(2.0)))
-        }
-    }
-}
-
 /// Clamp of [`tanh`]: beyond ±9 the result is ±1 (the true value rounds to ±1 in f32 above
 /// 9.01; the rational below returns 1 − 3.0e-8 at 9, within half an ulp).
 pub(crate) const TANH_CLAMP: f32 = 9.0;

@@ -394,10 +394,7 @@ impl AdditiveAttention {
         scores: Option<&mut [f32]>,
         opts: &AdditiveOptions,
     ) -> Result<()> {
-        let isa = match opts.isa {
-            Some(isa) => isa.check()?,
-            None => Isa::detect()?,
-        };
+        let isa = crate::exec::resolve_isa(opts.isa)?;
         self.check_inputs(queries, keys, values)?;
         let [b, lq, _] = queries.shape;
         let (lk, dv, a) = (keys.shape[1], values.shape[2], self.a);

@@ -463,10 +463,7 @@ impl Core {
         weights: Option<&mut [f32]>,
         opts: &MhaOptions,
     ) -> Result<()> {
-        let isa = match opts.isa {
-            Some(isa) => isa.check()?,
-            None => Isa::detect()?,
-        };
+        let isa = crate::exec::resolve_isa(opts.isa)?;
         self.check_inputs(query, key, value)?;
         let [b, lq, _] = query.shape;
         let lk = key.shape[1];

@@ -28,23 +28,7 @@ pub use self_attention::SelfAttention;
 pub use state_dict::StateDict;
 pub use tokens::Tokens;
 
-use crate::options::Par;
-
-/// Below this many multiply-adds a phase runs on the calling thread.
-const PAR_MIN_WORK: usize = 1 << 20;
-
-/// Runs `f(0..n)` on the current rayon pool, or inline when `par` is `Seq` or the work is small.
-/// Callers make the task split depend on the shape only, so results do not depend on threads.
-pub(crate) fn run_tasks(par: Par, n: usize, work: usize, f: impl Fn(usize) + Sync + Send) {
-    #[cfg(feature = "rayon")]
-    if par == Par::Rayon && n > 1 && work >= PAR_MIN_WORK {
-        use rayon::prelude::*;
-        (0..n).into_par_iter().for_each(f);
-        return;
-    }
-    let _ = (par, work);
-    (0..n).for_each(f);
-}
+pub(crate) use crate::exec::{run_tasks, SendConst, SendPtr};
 
 /// `∏ dims` with overflow reported against `arg`.
 pub(crate) fn product(arg: &'static str, dims: &[usize]) -> crate::Result<usize> {
@@ -82,38 +66,3 @@ pub(crate) fn check_qkv(
     }
     Ok(())
 }
-
-/// A raw pointer that may cross into rayon tasks; each task writes a disjoint part of the buffer
-/// it points into (argued at each use).
-#[derive(Clone, Copy)]
-pub(crate) struct SendPtr(pub(crate) *mut f32);
-
-impl SendPtr {
-    /// The pointer. (A method, so that closures capture the whole `Sync` wrapper rather than
-    /// the raw pointer field.)
-    pub(crate) fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-// SAFETY: only used to hand disjoint output ranges to tasks that run while the owning buffer is
-// mutably borrowed by the caller, which waits for all of them.
-unsafe impl Send for SendPtr {}
-// SAFETY: as above.
-unsafe impl Sync for SendPtr {}
-
-/// A read-only raw pointer that may cross into rayon tasks: the buffer it points into is
-/// borrowed by the caller, which waits for all of them, and nobody writes it meanwhile. (Passing
-/// the address as a `usize` instead would drop the pointer's provenance.)
-#[derive(Clone, Copy)]
-pub(crate) struct SendConst<T>(pub(crate) *const T);
-
-impl<T> SendConst<T> {
-    /// The pointer (a method, as [`SendPtr::get`]).
-    pub(crate) fn get(self) -> *const T {
-        self.0
-    }
-}
-// SAFETY: only shared reads of `T: Sync` data happen through it, while the data is borrowed.
-unsafe impl<T: Sync> Send for SendConst<T> {}
-// SAFETY: as above.
-unsafe impl<T: Sync> Sync for SendConst<T> {}

@@ -1,6 +1,6 @@
 //! AVX2 + FMA: 8 f32 lanes in a `__m256`.
 
-use crate::simd::Simd;
+use crate::simd::{Simd, SimdDiv};
 use core::arch::x86_64::*;
 
 /// Token for the AVX2+FMA path. Only use inside a `#[target_feature(enable = "avx2,fma")]` fn.
@@ -124,6 +124,24 @@ impl Simd for Avx2 {
             let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
             let s = _mm_max_ss(s, _mm_shuffle_ps::<0b01>(s, s));
             _mm_cvtss_f32(s)
+        }
+    }
+}
+
+impl SimdDiv for Avx2 {
+    #[inline(always)]
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V {
+        // SAFETY: only reached from `target_feature(enable = "avx2,fma")` code entered after
+        // `Isa::Avx2.is_supported()` (see the `Simd` impl of `Avx2`).
+        unsafe { _mm256_div_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn recip(a: Self::V) -> Self::V {
+        use core::arch::x86_64::*;
+        // SAFETY: as `div`. 12-bit estimate, then r·(2 − a·r).
+        unsafe {
+            let r = _mm256_rcp_ps(a);
+            _mm256_mul_ps(r, _mm256_fnmadd_ps(a, r, _mm256_set1_ps(2.0)))
         }
     }
 }

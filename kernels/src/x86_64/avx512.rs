@@ -1,6 +1,6 @@
 //! AVX-512F: 16 f32 lanes in a `__m512`.
 
-use crate::simd::Simd;
+use crate::simd::{Simd, SimdDiv};
 use core::arch::x86_64::*;
 
 /// Token for the AVX-512F path. Only use inside a `#[target_feature(enable = "avx512f")]` fn.
@@ -137,5 +137,23 @@ impl Simd for Avx512 {
     unsafe fn hmax(a: __m512) -> f32 {
         // SAFETY: see the impl comment.
         unsafe { _mm512_reduce_max_ps(a) }
+    }
+}
+
+impl SimdDiv for Avx512 {
+    #[inline(always)]
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V {
+        // SAFETY: only reached from `target_feature(enable = "avx512f")` code entered after
+        // `Isa::Avx512.is_supported()` (see the `Simd` impl of `Avx512`).
+        unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn recip(a: Self::V) -> Self::V {
+        use core::arch::x86_64::*;
+        // SAFETY: as `div`. 14-bit estimate, then r·(2 − a·r).
+        unsafe {
+            let r = _mm512_rcp14_ps(a);
+            _mm512_mul_ps(r, _mm512_fnmadd_ps(a, r, _mm512_set1_ps(2.0)))
+        }
     }
 }
