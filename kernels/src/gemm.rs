@@ -27,7 +27,7 @@ pub(crate) enum Accum {
     Add,
 }
 
-/// One MR × (NV·W) tile.
+/// One MR × (NV·W) tile, reducing over `kc` in FMA chains of at most `chain` steps.
 ///
 /// # Safety
 /// `a` is readable at `i*rsa + p*csa` and `b` at `p*ldb + [0, NV·W)` for `i < MR`, `p < kc`; `c` is
@@ -35,6 +35,7 @@ pub(crate) enum Accum {
 #[inline(always)]
 unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
     kc: usize,
+    chain: usize,
     a: *const f32,
     rsa: usize,
     csa: usize,
@@ -54,22 +55,39 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
                 }
             }
         }
-        for p in 0..kc {
-            let mut bv = [S::splat(0.0); NV];
-            for v in 0..NV {
-                bv[v] = S::load(b.add(p * ldb + v * S::W));
-            }
-            for i in 0..MR {
-                let ai = S::splat(*a.add(i * rsa + p * csa));
+        // The reduction runs in chunks of `chain` steps, each its own FMA chain, the chunks
+        // summed through C (see `SCORE_CHAIN` in flash.rs).
+        let mut p0 = 0usize;
+        loop {
+            let p1 = kc.min(p0.saturating_add(chain.max(1)));
+            for p in p0..p1 {
+                let mut bv = [S::splat(0.0); NV];
                 for v in 0..NV {
-                    r[i][v] = S::fma(ai, bv[v], r[i][v]);
+                    bv[v] = S::load(b.add(p * ldb + v * S::W));
+                }
+                for i in 0..MR {
+                    let ai = S::splat(*a.add(i * rsa + p * csa));
+                    for v in 0..NV {
+                        r[i][v] = S::fma(ai, bv[v], r[i][v]);
+                    }
                 }
             }
-        }
-        for i in 0..MR {
-            for v in 0..NV {
-                S::store(c.add(i * ldc + v * S::W), r[i][v]);
+            for i in 0..MR {
+                for v in 0..NV {
+                    let cp = c.add(i * ldc + v * S::W);
+                    let x = if p0 == 0 {
+                        r[i][v]
+                    } else {
+                        S::add(S::load(cp), r[i][v])
+                    };
+                    S::store(cp, x);
+                }
             }
+            if p1 == kc {
+                break;
+            }
+            r = [[S::splat(0.0); NV]; MR];
+            p0 = p1;
         }
     }
 }
@@ -80,6 +98,7 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
 unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
     m: usize,
     kc: usize,
+    chain: usize,
     a: *const f32,
     rsa: usize,
     csa: usize,
@@ -95,6 +114,7 @@ unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
         while i + MR <= m {
             tile::<S, MR, NV>(
                 kc,
+                chain,
                 a.add(i * rsa),
                 rsa,
                 csa,
@@ -109,13 +129,13 @@ unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
         let (a, c) = (a.add(i * rsa), c.add(i * ldc));
         match m - i {
             0 => {}
-            1 => tile::<S, 1, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            2 => tile::<S, 2, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            3 => tile::<S, 3, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            4 => tile::<S, 4, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            5 => tile::<S, 5, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            6 => tile::<S, 6, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            7 => tile::<S, 7, NV>(kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            1 => tile::<S, 1, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            2 => tile::<S, 2, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            3 => tile::<S, 3, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            4 => tile::<S, 4, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            5 => tile::<S, 5, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            6 => tile::<S, 6, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            7 => tile::<S, 7, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
             _ => unreachable!("MR is at most 8"),
         }
     }
@@ -131,6 +151,7 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NV: usize>(
     m: usize,
     nvec: usize,
     kc: usize,
+    chain: usize,
     a: *const f32,
     rsa: usize,
     csa: usize,
@@ -145,16 +166,28 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NV: usize>(
     unsafe {
         while v0 + NV <= nvec {
             let off = v0 * S::W;
-            panel::<S, MR, NV>(m, kc, a, rsa, csa, b.add(off), ldb, c.add(off), ldc, acc);
+            panel::<S, MR, NV>(
+                m,
+                kc,
+                chain,
+                a,
+                rsa,
+                csa,
+                b.add(off),
+                ldb,
+                c.add(off),
+                ldc,
+                acc,
+            );
             v0 += NV;
         }
         let off = v0 * S::W;
         let (b, c) = (b.add(off), c.add(off));
         match nvec - v0 {
             0 => {}
-            1 => panel::<S, MR, 1>(m, kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            2 => panel::<S, MR, 2>(m, kc, a, rsa, csa, b, ldb, c, ldc, acc),
-            3 => panel::<S, MR, 3>(m, kc, a, rsa, csa, b, ldb, c, ldc, acc),
+            1 => panel::<S, MR, 1>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            2 => panel::<S, MR, 2>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            3 => panel::<S, MR, 3>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
             _ => unreachable!("NV is at most 4"),
         }
     }
@@ -170,6 +203,7 @@ pub(crate) trait Tiles: Simd {
         m: usize,
         nvec: usize,
         kc: usize,
+        chain: usize,
         a: *const f32,
         rsa: usize,
         csa: usize,
@@ -189,6 +223,7 @@ macro_rules! tiles {
                 m: usize,
                 nvec: usize,
                 kc: usize,
+                chain: usize,
                 a: *const f32,
                 rsa: usize,
                 csa: usize,
@@ -199,7 +234,9 @@ macro_rules! tiles {
                 acc: Accum,
             ) {
                 // SAFETY: forwarded contract.
-                unsafe { gemm::<$t, $mr, $nv>(m, nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc) }
+                unsafe {
+                    gemm::<$t, $mr, $nv>(m, nvec, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc)
+                }
             }
         }
     };
@@ -220,6 +257,7 @@ pub(crate) unsafe fn block<S: Tiles>(
     m: usize,
     nvec: usize,
     kc: usize,
+    chain: usize,
     a: *const f32,
     rsa: usize,
     csa: usize,
@@ -230,5 +268,5 @@ pub(crate) unsafe fn block<S: Tiles>(
     acc: Accum,
 ) {
     // SAFETY: forwarded contract.
-    unsafe { S::block(m, nvec, kc, a, rsa, csa, b, ldb, c, ldc, acc) }
+    unsafe { S::block(m, nvec, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc) }
 }

@@ -78,7 +78,7 @@ isa_fn!(decode_isa(args: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &m
 isa_fn!(softmax_isa(x: &mut [f32], sink: f32) => flash::softmax);
 isa_fn!(apply_row_isa(spec: &ScoreSpec, r: usize, j0: usize, x: &mut [f32], u: f32) => score::apply_row);
 isa_fn!(exp_scale_isa(x: &mut [f32], m: f32, k: f32) => flash::exp_scale);
-isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32,
+isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, chain: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32,
     ldb: usize, c: *mut f32, ldc: usize, acc: Accum) => gemm::block);
 
 /// Fused attention forward for one block of query rows of one head (see [`FlashArgs`]).
@@ -247,6 +247,7 @@ pub fn matmul(
             m,
             np / w,
             k,
+            usize::MAX,
             a_ptr,
             lda,
             1,
