@@ -6,7 +6,7 @@ mod common;
 
 use attnkit::kernels::{
     additive_forward, additive_scratch_len, reference, reference_additive_score, tanh_slice,
-    AdditiveArgs, Isa, ADDITIVE_KEY_PAD,
+    AdditiveArgs, Isa, ScoreSpec, ADDITIVE_KEY_PAD,
 };
 use common::{isas, randn};
 use rand::rngs::SmallRng;
@@ -213,7 +213,6 @@ fn check(isa: Isa, c: &Case, rng: &mut SmallRng) {
         n,
         a,
         dv,
-        key_len: c.key_len,
         qp: ptr(&qp),
         ldq: a,
         kpt: ptr(&kpt),
@@ -223,18 +222,21 @@ fn check(isa: Isa, c: &Case, rng: &mut SmallRng) {
         ldv: dv,
         o: o.as_mut_ptr(),
         ldo,
-        bias: if c.bias {
-            bias.as_ptr()
-        } else {
-            core::ptr::null()
+        spec: ScoreSpec {
+            bias: if c.bias {
+                bias.as_ptr()
+            } else {
+                core::ptr::null()
+            },
+            ldbias: n,
+            mask: if c.mask {
+                mask.as_ptr()
+            } else {
+                core::ptr::null()
+            },
+            ldmask: n,
+            ..ScoreSpec::new(c.key_len)
         },
-        ldbias: n,
-        mask: if c.mask {
-            mask.as_ptr()
-        } else {
-            core::ptr::null()
-        },
-        ldmask: n,
         scores: scores.as_mut_ptr(),
         weights: weights.as_mut_ptr(),
         ldw,
@@ -368,7 +370,6 @@ fn kernel_isas_agree_with_portable() {
             n,
             a,
             dv,
-            key_len: n,
             qp: qp.as_ptr(),
             ldq: a,
             kpt: kpt.as_ptr(),
@@ -378,10 +379,13 @@ fn kernel_isas_agree_with_portable() {
             ldv: dv,
             o: o.as_mut_ptr(),
             ldo: dv,
-            bias: core::ptr::null(),
-            ldbias: 0,
-            mask: core::ptr::null(),
-            ldmask: 0,
+            spec: ScoreSpec {
+                bias: core::ptr::null(),
+                ldbias: 0,
+                mask: core::ptr::null(),
+                ldmask: 0,
+                ..ScoreSpec::new(n)
+            },
             scores: s.as_mut_ptr(),
             weights: core::ptr::null_mut(),
             ldw: n,
@@ -426,7 +430,6 @@ fn kernel_nan_propagates_and_fully_masked_rows_are_zero() {
             n,
             a,
             dv,
-            key_len: n,
             qp: qp.as_ptr(),
             ldq: a,
             kpt: kpt.as_ptr(),
@@ -436,10 +439,13 @@ fn kernel_nan_propagates_and_fully_masked_rows_are_zero() {
             ldv: dv,
             o: o.as_mut_ptr(),
             ldo: dv,
-            bias: core::ptr::null(),
-            ldbias: 0,
-            mask: core::ptr::null(),
-            ldmask: 0,
+            spec: ScoreSpec {
+                bias: core::ptr::null(),
+                ldbias: 0,
+                mask: core::ptr::null(),
+                ldmask: 0,
+                ..ScoreSpec::new(n)
+            },
             scores: core::ptr::null_mut(),
             weights: w.as_mut_ptr(),
             ldw: n,
@@ -456,7 +462,7 @@ fn kernel_nan_propagates_and_fully_masked_rows_are_zero() {
             o[dv..].iter().all(|x| x.is_nan()),
             "{isa}: NaN must propagate"
         );
-        args.mask = mask.as_ptr();
+        args.spec.mask = mask.as_ptr();
         // SAFETY: as above.
         unsafe { additive_forward(isa, &args, &mut scratch) };
         assert!(
@@ -467,8 +473,8 @@ fn kernel_nan_propagates_and_fully_masked_rows_are_zero() {
             w.iter().all(|&x| x == 0.0),
             "{isa}: fully masked rows give zero weights"
         );
-        args.mask = core::ptr::null();
-        args.key_len = 0;
+        args.spec.mask = core::ptr::null();
+        args.spec.key_len = 0;
         // SAFETY: as above.
         unsafe { additive_forward(isa, &args, &mut scratch) };
         assert!(o.iter().all(|&x| x == 0.0), "{isa}: key_len 0 gives zeros");

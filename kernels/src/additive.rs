@@ -18,6 +18,7 @@
 //! Nothing of size `Lq × Lk × A` (nor `Lq × Lk`, unless the caller asks for scores or weights)
 //! ever exists.
 
+use crate::score::ScoreSpec;
 use crate::simd::{aligned, exp2, tanh, Simd, SimdDiv, ALIGN_SLACK};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
@@ -45,8 +46,11 @@ pub struct AdditiveArgs {
     pub a: usize,
     /// Value width (columns of V and of the output).
     pub dv: usize,
-    /// Keys at index `≥ key_len` are masked and never read (key padding); `key_len ≤ n`.
-    pub key_len: usize,
+    /// Which keys each row sees and what is added to its scores (the rule of the SDPA kernels:
+    /// key length, bias, mask, and causality, window, ALiBi, softcap if set; not the sink).
+    /// Keys at index `≥ spec.key_len ≤ n` are never read (key padding); local row `r` is
+    /// `spec.row0 + r`, with its bias and mask rows at `r·ldbias`, `r·ldmask`.
+    pub spec: ScoreSpec,
     /// Projected queries `q′` (bias included): element `(r, p)` at `qp + r*ldq + p`, `p < a`.
     pub qp: *const f32,
     /// Row stride of `qp`.
@@ -66,14 +70,6 @@ pub struct AdditiveArgs {
     pub o: *mut f32,
     /// Row stride of the output.
     pub ldo: usize,
-    /// Additive bias `(r, j)` at `bias + r*ldbias + j`, or null.
-    pub bias: *const f32,
-    /// Row stride of the bias (0 broadcasts one row).
-    pub ldbias: usize,
-    /// Boolean mask (true = attend) `(r, j)` at `mask + r*ldmask + j`, or null.
-    pub mask: *const bool,
-    /// Row stride of the mask (0 broadcasts one row).
-    pub ldmask: usize,
     /// Scores the softmax sees (`s` + bias, `−inf` where masked) `(r, j)` at
     /// `scores + r*ldw + j`, `j < n`, or null.
     pub scores: *mut f32,
@@ -114,10 +110,16 @@ pub(crate) unsafe fn forward<S: SimdDiv>(x: &AdditiveArgs, scratch: &mut [f32]) 
         scratch.len() >= additive_scratch_len(x.dv),
         "additive scratch too short"
     );
-    debug_assert!(x.key_len <= x.n, "key_len {} > n {}", x.key_len, x.n);
+    debug_assert!(
+        x.spec.key_len <= x.n,
+        "key_len {} > n {}",
+        x.spec.key_len,
+        x.n
+    );
+    debug_assert!(x.spec.sink.is_none(), "the additive kernel has no sink");
     let (s, rest) = aligned(scratch).split_at_mut(ADDITIVE_KEY_BLOCK);
     let o = &mut rest[..x.dv];
-    let lim = x.key_len.min(x.n);
+    let lim = x.spec.key_len.min(x.n);
     // SAFETY: (whole body) reads and writes stay inside the extents `x` describes and the scratch
     // slices split above; the ISA is enabled per this function's contract.
     unsafe {
@@ -130,7 +132,7 @@ pub(crate) unsafe fn forward<S: SimdDiv>(x: &AdditiveArgs, scratch: &mut [f32]) 
                 let nb = ADDITIVE_KEY_BLOCK.min(lim - j0);
                 score_block::<S>(x, qrow, j0, nb, s.as_mut_ptr());
                 let s = &mut s[..nb];
-                mask_block(x, r, j0, s);
+                mask_block::<S>(x, r, j0, s);
                 let bm = s.iter().fold(f32::NEG_INFINITY, |a, &b| nan_max(a, b));
                 let m_new = nan_max(mx, bm);
                 if m_new == f32::NEG_INFINITY {
@@ -230,29 +232,16 @@ unsafe fn score_block<S: SimdDiv>(
     }
 }
 
-/// Applies the bias and the bool mask of row `r` to the score block `s` (keys `j0..`), and
-/// stores the result to the `scores` and (raw, normalised later) `weights` outputs if asked.
+/// Applies the score spec of row `r` to the score block `s` (keys `j0..`), and stores the result
+/// to the `scores` and (raw, normalised later) `weights` outputs if asked.
 ///
 /// # Safety
 /// As [`forward`].
 #[inline(always)]
-unsafe fn mask_block(x: &AdditiveArgs, r: usize, j0: usize, s: &mut [f32]) {
+unsafe fn mask_block<S: SimdDiv>(x: &AdditiveArgs, r: usize, j0: usize, s: &mut [f32]) {
     // SAFETY: bias/mask/scores/weights rows `< m` and columns `< n` are in bounds.
     unsafe {
-        if !x.bias.is_null() {
-            let b = x.bias.add(r * x.ldbias + j0);
-            for (j, v) in s.iter_mut().enumerate() {
-                *v += *b.add(j);
-            }
-        }
-        if !x.mask.is_null() {
-            let mk = x.mask.add(r * x.ldmask + j0);
-            for (j, v) in s.iter_mut().enumerate() {
-                if !*mk.add(j) {
-                    *v = f32::NEG_INFINITY;
-                }
-            }
-        }
+        x.spec.apply_row::<S>(r, j0, s, 1.0);
         for out in [x.scores, x.weights] {
             if !out.is_null() {
                 core::ptr::copy_nonoverlapping(s.as_ptr(), out.add(r * x.ldw + j0), s.len());

@@ -9,7 +9,7 @@ use crate::gemm::{sgemm, Backend};
 use crate::options::{AttnMask, Par};
 use crate::scratch::with_scratch;
 use attnkit_kernels::{
-    additive_forward, additive_scratch_len, AdditiveArgs, Isa, ADDITIVE_KEY_PAD,
+    additive_forward, additive_scratch_len, AdditiveArgs, Isa, ScoreSpec, ADDITIVE_KEY_PAD,
 };
 use std::path::Path;
 
@@ -561,7 +561,22 @@ impl AdditiveAttention {
                     n: lk,
                     a,
                     dv,
-                    key_len: lens.map_or(lk, |l| l[bi]),
+                    spec: ScoreSpec {
+                        bias: if bias_p.0.get().is_null() {
+                            core::ptr::null()
+                        } else {
+                            bias_p.0.get().add(bi * bias_p.1[0] + row0 * bias_p.1[1])
+                        },
+                        ldbias: bias_p.1[1],
+                        mask: if mask_p.0.get().is_null() {
+                            core::ptr::null()
+                        } else {
+                            mask_p.0.get().add(bi * mask_p.1[0] + row0 * mask_p.1[1])
+                        },
+                        ldmask: mask_p.1[1],
+                        row0,
+                        ..ScoreSpec::new(lens.map_or(lk, |l| l[bi]))
+                    },
                     qp: ptrs.0.get().add((bi * lq + row0) * a),
                     ldq: a,
                     kpt: ptrs.1.get().add(bi * per_b),
@@ -571,18 +586,6 @@ impl AdditiveAttention {
                     ldv: vsl,
                     o: ptrs.4.get().wrapping_add(bi * os[0] + row0 * os[1]),
                     ldo: os[1],
-                    bias: if bias_p.0.get().is_null() {
-                        core::ptr::null()
-                    } else {
-                        bias_p.0.get().add(bi * bias_p.1[0] + row0 * bias_p.1[1])
-                    },
-                    ldbias: bias_p.1[1],
-                    mask: if mask_p.0.get().is_null() {
-                        core::ptr::null()
-                    } else {
-                        mask_p.0.get().add(bi * mask_p.1[0] + row0 * mask_p.1[1])
-                    },
-                    ldmask: mask_p.1[1],
                     scores: opt_add(ptrs.6.get()),
                     weights: opt_add(ptrs.5.get()),
                     ldw: lk,
