@@ -293,6 +293,21 @@ impl Fixture {
         }
         let mut expect = Expect::default();
         dims.check_heads(&mut expect);
+        // The cache's B and Hkv may be wild (its buffers are empty when D = Dv = 0): counts of
+        // heads, rows and tasks past `isize::MAX` are refused even though no buffer is that
+        // large (attnkit bounds every size product by `isize::MAX`).
+        let counts = [
+            &[b, hq][..],
+            &[b, hq, dims.lq],
+            &[b, hkv, lk],
+            &[dims.lq, lk],
+        ];
+        if counts
+            .iter()
+            .any(|c| product(c).is_none_or(|n| n > isize::MAX as usize))
+        {
+            expect.fault("head, row or task counts past isize::MAX");
+        }
         let (budget, rng) = (self.budget(), &mut self.rng);
         let qshape = perturb(u, dims.q(), ALL_DIMS, &mut expect)?;
         let q = Operand::decode(u, qshape, Role::Input, budget, rng, &mut expect)?;
