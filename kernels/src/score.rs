@@ -123,17 +123,6 @@ impl ScoreSpec {
         self.bias.is_null() && self.mask.is_null() && self.softcap.is_none() && self.alibi.is_none()
     }
 
-    /// The spec of local row `r` alone (its row 0 is `r`).
-    #[inline(always)]
-    pub fn row(&self, r: usize) -> ScoreSpec {
-        ScoreSpec {
-            row0: self.row0 + r,
-            bias: self.bias.wrapping_add(r * self.ldbias),
-            mask: self.mask.wrapping_add(r * self.ldmask),
-            ..*self
-        }
-    }
-
     /// The sink in units `u`, or −inf when there is none (a logit that contributes nothing).
     #[inline(always)]
     pub(crate) fn sink_in(&self, u: f32) -> f32 {
