@@ -1,7 +1,7 @@
 //! Throughput of the layers, fused against unfused, at 1 and 2 threads (medians):
 //!
 //! * multi-head attention forward, B=2, L=512, E=1024, 16 heads, no weights: the fused SDPA
-//!   kernel vs the unfused baseline (`AttnPath::Unfused`: a materialised `L × L` score matrix
+//!   kernel vs the unfused baseline (`Fusion::Unfused`: a materialised `L × L` score matrix
 //!   per head, GEMM–softmax–GEMM), both with the same GEMM projections;
 //! * additive attention, B=4, Lq=Lk=512, A=256 (Dq=Dk=Dv=256): the fused kernel vs the textbook
 //!   unfused path, which materialises `tanh(q′_i + k′_j)` as an `(Lq, Lk, A)` tensor per batch
@@ -12,8 +12,8 @@
 use attnkit::kernels::{softmax_row, tanh_slice, Isa};
 use attnkit::unfused::Backend;
 use attnkit::{
-    AdditiveAttention, AdditiveOptions, AttnPath, Linear, MhaConfig, MhaOptions,
-    MultiheadAttention, Par, StateDict, Tokens,
+    AdditiveAttention, AdditiveOptions, Fusion, Linear, MhaConfig, MhaOptions, MultiheadAttention,
+    Par, StateDict, Tokens,
 };
 use rayon::prelude::*;
 use std::time::Instant;
@@ -136,11 +136,11 @@ fn main() -> Result<(), attnkit::AttnError> {
         for threads in [1, 2] {
             let p = pool(threads);
             for (name, path) in [
-                ("fused", AttnPath::Fused),
-                ("unfused (materialised)", AttnPath::Unfused),
+                ("fused", Fusion::Fused),
+                ("unfused (materialised)", Fusion::Unfused),
             ] {
                 let opts = MhaOptions::new()
-                    .path(path)
+                    .fusion(path)
                     .par(Par::Rayon)
                     .backend(backend);
                 let t =

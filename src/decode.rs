@@ -7,10 +7,10 @@
 //! on the shape only ([`chunk_len`]), and partials are merged in chunk order, so the result is
 //! the same for every thread count.
 
-use crate::exec::SendPtr;
+use crate::exec::{run_tasks, SendPtr};
 use crate::options::Par;
+use crate::plan::Plan;
 use crate::scratch::with_scratch;
-use crate::sdpa::Plan;
 use attnkit_kernels::{
     decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
     DecodeWalk, ScoreSpec,
@@ -30,111 +30,108 @@ thread_local! {
     static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-impl Plan {
-    pub(crate) fn run_decode(&self, par: Par) {
-        let s = self.shape;
-        let groups = s.b * s.hkv;
-        let g = s.hq / s.hkv;
-        let rows = g * s.lq;
-        if groups == 0 || rows == 0 {
-            return;
-        }
-        let clen = chunk_len(s.lk);
-        let chunks = s.lk.div_ceil(clen).max(1);
-        let pl = partial_len(s.dv);
-        let per_task = rows * pl;
-        // Take the buffer out of the thread-local rather than borrowing it across the parallel
-        // loop: while this thread waits in rayon it may run another call's decode (nested
-        // parallelism in the caller), which then finds an empty buffer and uses its own.
-        let mut buf = PARTIALS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
-        let len = groups * chunks * per_task;
-        if buf.len() < len {
-            buf.resize(len, 0.0);
-        }
-        let parts = SendPtr(buf.as_mut_ptr());
-        self.for_each(par, groups * chunks, |t| {
-            // SAFETY: task `t` owns partial rows `[t·rows, (t+1)·rows)` of the buffer.
-            let dst = unsafe { parts.get().add(t * per_task) };
-            self.decode_task(t / chunks, t % chunks, clen, dst, pl);
-        });
-        for grp in 0..groups {
-            let (b, hk) = (grp / s.hkv, grp % s.hkv);
-            for r in 0..rows {
-                let (h, i) = (hk * g + r / s.lq, r % s.lq);
-                // SAFETY: `out` row (b, h, i) and lse entry are in bounds (validated) and
-                // nothing else touches them now.
-                unsafe {
-                    let out = core::slice::from_raw_parts_mut(
-                        self.o.add(Plan::off(self.os, b, h, i)),
-                        s.dv,
-                    );
-                    let sink = self.sinks.map(|p| *p.add(h));
-                    let lse = merge_partials(
-                        &buf[(grp * chunks * rows + r) * pl..],
-                        per_task,
-                        chunks,
-                        sink,
-                        out,
-                    );
-                    if !self.lse.is_null() {
-                        *self.lse.add((b * s.hq + h) * s.lq + i) = lse;
-                    }
-                }
-            }
-        }
-        // Keep the larger buffer for the next call on this thread.
-        PARTIALS.with(|cell| {
-            let mut kept = cell.borrow_mut();
-            if kept.len() < buf.len() {
-                *kept = buf;
-            }
-        });
+/// Runs `p` on the decode kernel: every (batch, KV head, chunk) task, then the merge.
+pub(crate) fn run(p: &Plan, par: Par) {
+    let s = p.shape;
+    let groups = s.b * s.hkv;
+    let g = s.hq / s.hkv;
+    let rows = g * s.lq;
+    if groups == 0 || rows == 0 {
+        return;
     }
-
-    fn decode_task(&self, grp: usize, chunk: usize, clen: usize, dst: *mut f32, pl: usize) {
-        let s = self.shape;
+    let clen = chunk_len(s.lk);
+    let chunks = s.lk.div_ceil(clen).max(1);
+    let pl = partial_len(s.dv);
+    let per_task = rows * pl;
+    // Take the buffer out of the thread-local rather than borrowing it across the parallel
+    // loop: while this thread waits in rayon it may run another call's decode (nested
+    // parallelism in the caller), which then finds an empty buffer and uses its own.
+    let mut buf = PARTIALS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+    let len = groups * chunks * per_task;
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    let parts = SendPtr(buf.as_mut_ptr());
+    run_tasks(par, groups * chunks, p.work(), |t| {
+        // SAFETY: task `t` owns partial rows `[t·rows, (t+1)·rows)` of the buffer.
+        let dst = unsafe { parts.get().add(t * per_task) };
+        task(p, t / chunks, t % chunks, clen, dst, pl);
+    });
+    for grp in 0..groups {
         let (b, hk) = (grp / s.hkv, grp % s.hkv);
-        let g = s.hq / s.hkv;
-        let mut rows = [DecodeRow {
-            q: core::ptr::null(),
-            spec: ScoreSpec::new(0),
-        }; 16];
-        let nrows = g * s.lq;
-        let j_begin = chunk * clen;
-        let j_end = (j_begin + clen).min(s.lk);
-        with_scratch(decode_scratch_len(s.d, s.dv), |scratch| {
-            // Rows in passes of 16 (the kernel itself works in groups of 8 rows).
-            for r0 in (0..nrows).step_by(rows.len()) {
-                let n = rows.len().min(nrows - r0);
-                for (k, row) in rows[..n].iter_mut().enumerate() {
-                    let r = r0 + k;
-                    let (h, i) = (hk * g + r / s.lq, r % s.lq);
-                    // SAFETY: offset of a validated view (see `Plan::new`).
-                    let q = unsafe { self.q.add(Plan::off(self.qs, b, h, i)) };
-                    *row = DecodeRow {
-                        q,
-                        spec: self.spec(b, h, i),
-                    };
+        for r in 0..rows {
+            let (h, i) = (hk * g + r / s.lq, r % s.lq);
+            // SAFETY: `out` row (b, h, i) and lse entry are in bounds (validated) and
+            // nothing else touches them now.
+            unsafe {
+                let out = core::slice::from_raw_parts_mut(p.o.add(Plan::off(p.os, b, h, i)), s.dv);
+                let sink = p.sinks.map(|p| *p.add(h));
+                let lse = merge_partials(
+                    &buf[(grp * chunks * rows + r) * pl..],
+                    per_task,
+                    chunks,
+                    sink,
+                    out,
+                );
+                if !p.lse.is_null() {
+                    *p.lse.add((b * s.hq + h) * s.lq + i) = lse;
                 }
-                let args = DecodeArgs {
-                    rows: &rows[..n],
-                    d: s.d,
-                    dv: s.dv,
-                    // SAFETY: KV head `hk` of batch `b` is inside the validated views.
-                    k: unsafe { self.k.add(Plan::off(self.ks, b, hk, 0)) },
-                    ldk: self.ks[2],
-                    // SAFETY: as above.
-                    v: unsafe { self.v.add(Plan::off(self.vs, b, hk, 0)) },
-                    ldv: self.vs[2],
-                    j_begin,
-                    j_end,
-                    scale: self.scale,
-                    walk: DecodeWalk::Auto,
-                };
-                // SAFETY: rows, K/V and masks are in bounds for keys < j_end ≤ Lk; `dst` holds
-                // `nrows` partial rows of `pl` floats owned by this task; the ISA was checked.
-                unsafe { decode_partial(self.isa, &args, dst.add(r0 * pl), pl, scratch) };
             }
-        });
+        }
     }
+    // Keep the larger buffer for the next call on this thread.
+    PARTIALS.with(|cell| {
+        let mut kept = cell.borrow_mut();
+        if kept.len() < buf.len() {
+            *kept = buf;
+        }
+    });
+}
+
+/// Task `(grp, chunk)`: every query row of KV group `grp` over key chunk `chunk`, partials to `dst`.
+fn task(p: &Plan, grp: usize, chunk: usize, clen: usize, dst: *mut f32, pl: usize) {
+    let s = p.shape;
+    let (b, hk) = (grp / s.hkv, grp % s.hkv);
+    let g = s.hq / s.hkv;
+    let mut rows = [DecodeRow {
+        q: core::ptr::null(),
+        spec: ScoreSpec::new(0),
+    }; 16];
+    let nrows = g * s.lq;
+    let j_begin = chunk * clen;
+    let j_end = (j_begin + clen).min(s.lk);
+    with_scratch(decode_scratch_len(s.d, s.dv), |scratch| {
+        // Rows in passes of 16 (the kernel itself works in groups of 8 rows).
+        for r0 in (0..nrows).step_by(rows.len()) {
+            let n = rows.len().min(nrows - r0);
+            for (k, row) in rows[..n].iter_mut().enumerate() {
+                let r = r0 + k;
+                let (h, i) = (hk * g + r / s.lq, r % s.lq);
+                // SAFETY: offset of a validated view (see `Plan::new`).
+                let q = unsafe { p.q.add(Plan::off(p.qs, b, h, i)) };
+                *row = DecodeRow {
+                    q,
+                    spec: p.spec(b, h, i),
+                };
+            }
+            let args = DecodeArgs {
+                rows: &rows[..n],
+                d: s.d,
+                dv: s.dv,
+                // SAFETY: KV head `hk` of batch `b` is inside the validated views.
+                k: unsafe { p.k.add(Plan::off(p.ks, b, hk, 0)) },
+                ldk: p.ks[2],
+                // SAFETY: as above.
+                v: unsafe { p.v.add(Plan::off(p.vs, b, hk, 0)) },
+                ldv: p.vs[2],
+                j_begin,
+                j_end,
+                scale: p.scale,
+                walk: DecodeWalk::Auto,
+            };
+            // SAFETY: rows, K/V and masks are in bounds for keys < j_end ≤ Lk; `dst` holds
+            // `nrows` partial rows of `pl` floats owned by this task; the ISA was checked.
+            unsafe { decode_partial(p.isa, &args, dst.add(r0 * pl), pl, scratch) };
+        }
+    });
 }

@@ -22,6 +22,8 @@ mod layers;
 mod merge;
 mod options;
 mod pages;
+mod plan;
+mod prefill;
 mod scratch;
 mod sdpa;
 pub mod unfused;
@@ -33,13 +35,14 @@ pub use heads::{merge_heads, split_heads};
 pub use kv_cache::KvCache;
 pub use layers::{
     dot_product_attention, scaled_dot_product_attention, AdditiveAttention, AdditiveOptions,
-    AdditiveOutput, AttnPath, KeyPadding, LayerOutput, Linear, MhaConfig, MhaMask, MhaOptions,
+    AdditiveOutput, Fusion, KeyPadding, LayerOutput, Linear, MhaConfig, MhaMask, MhaOptions,
     MultiheadAttention, SelfAttention, StateDict, Tokens,
 };
 pub use merge::{merge, Partial};
-pub use options::{alibi_slopes, AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
+pub use options::{alibi_slopes, AttnMask, Causal, Extras, Kernel, MaskRef, Par, SdpaOptions};
 pub use pages::{advise_huge_pages, AlignedBuf};
-pub use sdpa::{choose_path, sdpa, sdpa_ext, sdpa_vec};
+pub use plan::choose_kernel;
+pub use sdpa::{sdpa, sdpa_ext, sdpa_vec};
 pub use view::{Layout, Tensor, TensorMut};
 
 /// The raw-slice kernel crate, re-exported for benchmarks and advanced use.

@@ -52,12 +52,12 @@ pub enum Par {
     Rayon,
 }
 
-/// Which kernel computes a call.
+/// Which fused kernel computes a call (the unfused baseline is a separate function, [`crate::unfused`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Path {
-    /// Chosen from the shape: [`Path::Decode`] for few new queries (`Lq ≤ 4`, or `Lq ≤ 8`
-    /// against at least 512 keys) and no weights asked for, else [`Path::Prefill`]. The
-    /// thresholds were measured; see docs/tuning-log.md, "Path choice".
+pub enum Kernel {
+    /// Chosen from the shape: [`Kernel::Decode`] for few new queries (`Lq ≤ 4`, or `Lq ≤ 8`
+    /// against at least 512 keys) and no weights asked for, else [`Kernel::Prefill`]. The
+    /// thresholds were measured; see docs/tuning-log.md, "Kernel choice".
     #[default]
     Auto,
     /// The tiled flash kernel: queries on the SIMD axis, parallel over (batch, head, query block).
@@ -106,9 +106,9 @@ pub struct SdpaOptions<'a> {
     /// one; the logsumexp includes it. A fully masked row still gives zeros (its lse is the
     /// sink). `-inf` means no sink for that head.
     pub sinks: Option<&'a [f32]>,
-    /// Kernel choice; [`Path::Auto`] by default.
-    pub path: Path,
-    /// The code path; `None` means [`Isa::detect`] (honours `ATTNKIT_ISA`).
+    /// Which fused kernel runs; [`Kernel::Auto`] by default.
+    pub kernel: Kernel,
+    /// The instruction set the kernels use; `None` means [`Isa::detect`] (honours `ATTNKIT_ISA`).
     pub isa: Option<Isa>,
     /// Threading.
     pub par: Par,
@@ -165,11 +165,11 @@ impl<'a> SdpaOptions<'a> {
         self
     }
     /// Forces a kernel.
-    pub fn path(mut self, path: Path) -> Self {
-        self.path = path;
+    pub fn kernel(mut self, kernel: Kernel) -> Self {
+        self.kernel = kernel;
         self
     }
-    /// Forces a code path.
+    /// Forces an instruction set.
     pub fn isa(mut self, isa: Isa) -> Self {
         self.isa = Some(isa);
         self

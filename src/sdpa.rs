@@ -1,55 +1,11 @@
-//! Scaled dot-product attention: validation, the task plan, and the parallel loop over the fused
-//! kernel.
+//! Scaled dot-product attention: the public entry points. Each validates its arguments into a
+//! [`Plan`] and runs the driver the plan names (prefill or decode).
 
-use crate::alloc::{checked_len, zeros_for};
-use crate::error::{AttnError, Result};
-use crate::exec::{parallel, resolve_isa, run_tasks};
-use crate::options::{AttnMask, Causal, Extras, MaskRef, Par, Path, SdpaOptions};
-use crate::scratch::with_scratch;
-use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::{
-    flash_forward, scratch_len, visible_range, Alibi, FlashArgs, Isa, ScoreSpec,
-};
-
-/// Query rows per task: enough to amortise packing each K/V block, few enough that long
-/// sequences give every core many tasks. Depends on the shape only, never on the thread count,
-/// so results do not either.
-const Q_BLOCK: usize = 96;
-/// Query rows per task without a causal mask when one head's K and V pass [`KV_L2_BYTES`]: every
-/// task then streams them from L3 rather than L2, so fewer, taller tasks read them less often.
-/// Measured on the Xeon (flash probe, each block size in turn within a round, 15 rounds; K and V
-/// from L3): 96 → 192 rows +15 % (D = 64, 4096 keys; D = 128, 2048 keys), 288 rows +22 %;
-/// with K and V in L2, 192 rows −2 %. Causal tasks keep 96: their diagonal is computed in
-/// 16-key steps whose share grows with the block (−10–20 % at 192 rows, attnbench).
-const Q_BLOCK_TALL: usize = 192;
-/// Bytes of one head's K and V above which they no longer stay in L2 between the tasks of that
-/// head (half of the Xeon's 2 MiB; Zen 4 has 1 MiB).
-const KV_L2_BYTES: usize = 1 << 20;
-
-/// Whether [`Path::Auto`] picks the decode kernel for `lq` queries against `lk` keys. The
-/// decode kernel reads K and V once per GQA group but pays a reduction per (row, key); the tiled
-/// kernel reads them once per query head and wastes lanes below 16 rows. Crossover measured with
-/// attnbench (`fused-prefill` vs `fused-decode`, D = 64 and 128, 1 and 2 threads, group sizes
-/// 1–32; docs/tuning-log.md, "Path choice"):
-/// - up to Lq = 4, decode wins at every Lk tried (16 to 32768);
-/// - at Lq = 8 it wins from Lk ≈ 512 on (1.0–2.2×) but can lose below (Lk = 8–64: up to 2.9×
-///   slower, the split and merge cost more than the short rows);
-/// - from Lq = 16 prefill wins or ties.
-fn decode_suits(lq: usize, lk: usize) -> bool {
-    (lq <= 4 || (lq <= 8 && lk >= 512)) && lk >= lq
-}
-
-/// The kernel [`sdpa`] will run for these logical shapes (`q (B, Hq, Lq, D)`, `k (B, Hkv, Lk, D)`)
-/// and options, without weights asked for: `opts.path` when forced, else the choice of
-/// [`Path::Auto`]. Benchmarks report it.
-pub fn choose_path(q_shape: [usize; 4], k_shape: [usize; 4], opts: &SdpaOptions) -> Path {
-    let (lq, hkv, lk) = (q_shape[2], k_shape[1], k_shape[2]);
-    match opts.path {
-        Path::Auto if hkv > 0 && decode_suits(lq, lk) => Path::Decode,
-        Path::Auto => Path::Prefill,
-        p => p,
-    }
-}
+use crate::alloc::zeros_for;
+use crate::error::Result;
+use crate::options::{Extras, Kernel, Par, SdpaOptions};
+use crate::plan::Plan;
+use crate::view::{Tensor, TensorMut};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + mask)·V`, written into `out`.
 ///
@@ -125,516 +81,50 @@ pub fn sdpa_ext(
     mut extras: Extras,
 ) -> Result<()> {
     let plan = Plan::new(q, k, v, out, opts, &mut extras)?;
-    plan.run(opts.par);
+    execute(&plan, opts.par);
     Ok(())
 }
 
-/// Mask buffer with its broadcast strides for (b, h, row); keys are contiguous.
-#[derive(Clone, Copy)]
-pub(crate) struct MaskPlan<T> {
-    pub(crate) ptr: *const T,
-    pub(crate) strides: [usize; 3],
-}
-
-/// Everything validated, as raw parts the tasks can share.
-pub(crate) struct Plan {
-    pub(crate) isa: Isa,
-    pub(crate) shape: Shape,
-    pub(crate) scale: f32,
-    pub(crate) causal: Option<Causal>,
-    pub(crate) window: Option<usize>,
-    pub(crate) path: Path,
-    pub(crate) q: *const f32,
-    pub(crate) qs: [usize; 3],
-    pub(crate) k: *const f32,
-    pub(crate) ks: [usize; 3],
-    pub(crate) v: *const f32,
-    pub(crate) vs: [usize; 3],
-    pub(crate) o: *mut f32,
-    pub(crate) os: [usize; 3],
-    pub(crate) bias: Option<MaskPlan<f32>>,
-    pub(crate) mask: Option<MaskPlan<bool>>,
-    pub(crate) key_lengths: Option<*const usize>,
-    /// ALiBi slopes and sinks, `Hq` values each (validated).
-    pub(crate) alibi: Option<*const f32>,
-    pub(crate) softcap: Option<f32>,
-    pub(crate) sinks: Option<*const f32>,
-    pub(crate) lse: *mut f32,
-    pub(crate) weights: *mut f32,
-}
-
-// SAFETY: the pointers come from borrows that outlive the `Plan` (it lives inside `sdpa_ext`),
-// inputs are only read, and every task writes a disjoint set of output rows (checked by
-// `check_disjoint` for `out`; `lse` and `weights` are dense and indexed by the task's rows).
-unsafe impl Sync for Plan {}
-
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Shape {
-    pub(crate) b: usize,
-    pub(crate) hq: usize,
-    pub(crate) hkv: usize,
-    pub(crate) lq: usize,
-    pub(crate) lk: usize,
-    pub(crate) d: usize,
-    pub(crate) dv: usize,
-}
-
-fn mismatch(arg: &'static str, dim: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(AttnError::ShapeMismatch {
-            arg,
-            dim,
-            expected,
-            got,
-        })
+/// Runs a validated plan: the cases with nothing to compute, then the driver of its kernel.
+fn execute(p: &Plan, par: Par) {
+    let s = &p.shape;
+    if s.b == 0 || s.hq == 0 || s.lq == 0 {
+        return;
+    }
+    if s.dv == 0 && p.lse.is_null() && p.weights.is_null() {
+        return; // nothing to write
+    }
+    let unmasked = p.bias.is_none()
+        && p.mask.is_none()
+        && p.weights.is_null()
+        && p.alibi.is_none()
+        && p.sinks.is_none();
+    if s.d == 0 && s.dv == 0 && unmasked {
+        return run_lse_only(p);
+    }
+    match p.kernel {
+        Kernel::Decode => crate::decode::run(p, par),
+        _ => crate::prefill::run(p, par),
     }
 }
 
-/// The strides the kernels step by for rows `width` wide: none for empty rows (they are never
-/// dereferenced, so no pointer steps past an empty buffer), and 0 for size-1 dimensions (never
-/// stepped; a huge one there would pass validation, then overflow the kernels' signed strides).
-fn used_strides(width: usize, shape: [usize; 4], strides: [usize; 3]) -> [usize; 3] {
-    core::array::from_fn(|i| {
-        if width == 0 || shape[i] == 1 {
-            0
-        } else {
-            strides[i]
-        }
-    })
-}
-
-fn mask_plan<T>(m: &MaskRef<T>, arg: &'static str, s: &Shape) -> Result<MaskPlan<T>> {
-    const NAMES: [&str; 4] = ["B", "H", "Lq", "Lk"];
-    let full = [s.b, s.hq, s.lq, s.lk];
-    for i in 0..3 {
-        if m.shape[i] != 1 {
-            mismatch(arg, NAMES[i], full[i], m.shape[i])?;
-        }
-    }
-    mismatch(arg, "Lk", s.lk, m.shape[3])?;
-    let needed = checked_len(arg, &m.shape)?;
-    if m.data.len() != needed {
-        return Err(AttnError::BufferLength {
-            arg,
-            needed,
-            got: m.data.len(),
-        });
-    }
-    // Row-major strides, 0 where the mask broadcasts. Saturating: with a zero-sized dimension
-    // the others' products may overflow, and then no element is ever addressed.
-    let [mb, mh, mq, lk] = m.shape;
-    let st = |n: usize, s: usize| if n == 1 { 0 } else { s };
-    let (row, head) = (lk, mq.saturating_mul(lk));
-    Ok(MaskPlan {
-        ptr: m.data.as_ptr(),
-        strides: [st(mb, mh.saturating_mul(head)), st(mh, head), st(mq, row)],
-    })
-}
-
-impl Plan {
-    /// Validates everything and binds `out` as the destination.
-    pub(crate) fn new(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &mut TensorMut,
-        opts: &SdpaOptions,
-        extras: &mut Extras,
-    ) -> Result<Plan> {
-        let mut plan = Plan::validate(q, k, v, out.shape, opts, extras)?;
-        check_len("out", out.data.len(), out.shape, out.strides)?;
-        check_disjoint("out", out.shape, out.strides)?;
-        plan.o = out.data.as_mut_ptr();
-        plan.os = used_strides(plan.shape.dv, out.shape, out.strides);
-        Ok(plan)
-    }
-
-    /// Validates the inputs, options and extras against an output of shape `out_shape`; the
-    /// returned plan has no destination yet (null `o`).
-    pub(crate) fn validate(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out_shape: [usize; 4],
-        opts: &SdpaOptions,
-        extras: &mut Extras,
-    ) -> Result<Plan> {
-        let extras_weights = extras.weights.is_some();
-        let isa = resolve_isa(opts.isa)?;
-        let [b, hq, lq, d] = q.shape;
-        let [_, hkv, lk, _] = k.shape;
-        let dv = v.shape[3];
-        mismatch("k", "B", b, k.shape[0])?;
-        mismatch("k", "D", d, k.shape[3])?;
-        mismatch("v", "B", b, v.shape[0])?;
-        mismatch("v", "H", hkv, v.shape[1])?;
-        mismatch("v", "Lk", lk, v.shape[2])?;
-        mismatch("out", "B", b, out_shape[0])?;
-        mismatch("out", "H", hq, out_shape[1])?;
-        mismatch("out", "Lq", lq, out_shape[2])?;
-        mismatch("out", "Dv", dv, out_shape[3])?;
-        if hkv == 0 && hq != 0 || hkv != 0 && hq % hkv != 0 {
-            return Err(AttnError::HeadRatio { hq, hkv });
-        }
-        // Task counts and loop bounds multiply these; with empty rows (D = Dv = 0) the buffers
-        // cannot bound them, so check them here.
-        checked_len("q", &[b, hq])?;
-        checked_len("q", &[b, hq, lq])?;
-        checked_len("k", &[b, hkv, lk])?;
-        checked_len("weights", &[lq, lk])?;
-        check_len("q", q.data.len(), q.shape, q.strides)?;
-        check_len("k", k.data.len(), k.shape, k.strides)?;
-        check_len("v", v.data.len(), v.shape, v.strides)?;
-        let shape = Shape {
-            b,
-            hq,
-            hkv,
-            lq,
-            lk,
-            d,
-            dv,
-        };
-
-        let scale = opts.scale.unwrap_or(1.0 / (d.max(1) as f32).sqrt());
-        if !scale.is_finite() {
-            return Err(AttnError::BadParam {
-                arg: "scale",
-                reason: "must be finite",
-            });
-        }
-        if opts.window.is_some() && opts.causal.is_none() {
-            return Err(AttnError::BadParam {
-                arg: "window",
-                reason: "a sliding window needs causal masking",
-            });
-        }
-        if opts.window == Some(0) {
-            return Err(AttnError::BadParam {
-                arg: "window",
-                reason: "must be at least 1",
-            });
-        }
-        // A window of max(Lq, Lk) keys or more hides nothing: every diagonal `i + offset + 1`
-        // is at most Lq (top-left) or the key length ≤ Lk (bottom-right). Dropping it keeps
-        // `usize::MAX` ("unbounded") and other huge values out of the index arithmetic.
-        let window = opts.window.filter(|&w| w < lq.max(lk));
-        // The decode kernel cannot produce weights.
-        let path = match choose_path(q.shape, k.shape, opts) {
-            Path::Decode if !extras_weights => Path::Decode,
-            _ => Path::Prefill,
-        };
-        let (mut bias, mut mask) = (None, None);
-        match &opts.mask {
-            None => {}
-            Some(AttnMask::Bias(m)) => bias = Some(mask_plan(m, "mask", &shape)?),
-            Some(AttnMask::Bool(m)) => mask = Some(mask_plan(m, "mask", &shape)?),
-        }
-        if let Some(lens) = opts.key_lengths {
-            mismatch("key_lengths", "B", b, lens.len())?;
-            if let Some((batch, &len)) = lens.iter().enumerate().find(|(_, &l)| l > lk) {
-                return Err(AttnError::KeyLength { batch, len, lk });
-            }
-        }
-        let per_head = |arg: &'static str, x: Option<&[f32]>| -> Result<Option<*const f32>> {
-            let Some(x) = x else { return Ok(None) };
-            mismatch(arg, "Hq", hq, x.len())?;
-            Ok(Some(x.as_ptr()))
-        };
-        let alibi = per_head("alibi", opts.alibi)?;
-        if opts.alibi.is_some_and(|a| a.iter().any(|s| !s.is_finite())) {
-            return Err(AttnError::BadParam {
-                arg: "alibi",
-                reason: "slopes must be finite",
-            });
-        }
-        let sinks = per_head("sinks", opts.sinks)?;
-        if opts
-            .sinks
-            .is_some_and(|a| a.iter().any(|s| s.is_nan() || *s == f32::INFINITY))
-        {
-            return Err(AttnError::BadParam {
-                arg: "sinks",
-                reason: "must be finite or -inf",
-            });
-        }
-        if opts.softcap.is_some_and(|c| !(c > 0.0 && c.is_finite())) {
-            return Err(AttnError::BadParam {
-                arg: "softcap",
-                reason: "must be positive and finite",
-            });
-        }
-        let mut lse = core::ptr::null_mut();
-        if let Some(buf) = extras.lse.as_deref_mut() {
-            let needed = checked_len("lse", &[b, hq, lq])?;
-            if buf.len() != needed {
-                return Err(AttnError::BufferLength {
-                    arg: "lse",
-                    needed,
-                    got: buf.len(),
-                });
-            }
-            lse = buf.as_mut_ptr();
-        }
-        let mut weights = core::ptr::null_mut();
-        if let Some(buf) = extras.weights.as_deref_mut() {
-            let needed = checked_len("weights", &[b, hq, lq, lk])?;
-            if buf.len() != needed {
-                return Err(AttnError::BufferLength {
-                    arg: "weights",
-                    needed,
-                    got: buf.len(),
-                });
-            }
-            weights = buf.as_mut_ptr();
-        }
-        let strides = |width: usize, t: &Tensor| used_strides(width, t.shape, t.strides);
-        Ok(Plan {
-            isa,
-            shape,
-            scale,
-            causal: opts.causal,
-            window,
-            path,
-            q: q.data.as_ptr(),
-            qs: strides(d, q),
-            k: k.data.as_ptr(),
-            ks: strides(d, k),
-            v: v.data.as_ptr(),
-            vs: strides(dv, v),
-            o: core::ptr::null_mut(),
-            os: [0; 3],
-            bias,
-            mask,
-            key_lengths: opts.key_lengths.map(|l| l.as_ptr()),
-            alibi,
-            softcap: opts.softcap,
-            sinks,
-            lse,
-            weights,
-        })
-    }
-
-    /// Query rows per task (see [`Q_BLOCK_TALL`]).
-    fn q_block(&self) -> usize {
-        let s = &self.shape;
-        let kv =
-            s.lk.saturating_mul(s.d.saturating_add(s.dv))
-                .saturating_mul(4);
-        if self.causal.is_none() && kv > KV_L2_BYTES {
-            Q_BLOCK_TALL
-        } else {
-            Q_BLOCK
-        }
-    }
-
-    fn q_blocks(&self) -> usize {
-        self.shape.lq.div_ceil(self.q_block())
-    }
-
-    fn tasks(&self) -> usize {
-        self.shape.b * self.shape.hq * self.q_blocks()
-    }
-
-    fn run(&self, par: Par) {
-        let n = self.tasks();
-        if n == 0 {
-            return;
-        }
-        if self.shape.dv == 0 && self.lse.is_null() && self.weights.is_null() {
-            return; // nothing to write
-        }
-        let unmasked = self.bias.is_none()
-            && self.mask.is_none()
-            && self.weights.is_null()
-            && self.alibi.is_none()
-            && self.sinks.is_none();
-        if self.shape.d == 0 && self.shape.dv == 0 && unmasked {
-            return self.run_lse_only();
-        }
-        if self.path == Path::Decode {
-            return self.run_decode(par);
-        }
-        let s = &self.shape;
-        let (nqb, group) = (self.q_blocks(), s.hq / s.hkv);
-        let len = scratch_len(self.q_block().min(s.lq), s.d, s.dv);
-        if self.parallel(par, n) {
-            // Later query blocks first: under a causal mask they are the expensive ones, and
-            // rayon hands out ranges front to back.
-            self.for_each(par, n, |t| {
-                let (bh, qb) = (t / nqb, nqb - 1 - t % nqb);
-                let (b, h) = (bh / s.hq, bh % s.hq);
-                with_scratch(len, |scratch| self.task(b, h, h / group, qb, scratch));
-            });
-            return;
-        }
-        // On one thread: one scratch borrow and no index arithmetic per task, which small calls
-        // (16 tasks of 10 rows at (2, 8, 10, 16)) notice.
-        with_scratch(len, |scratch| {
-            for b in 0..s.b {
-                for hk in 0..s.hkv {
-                    for h in hk * group..(hk + 1) * group {
-                        for qb in (0..nqb).rev() {
-                            self.task(b, h, hk, qb, scratch);
-                        }
-                    }
-                }
-            }
-        });
-    }
-
-    /// The logsumexp of rows with `D = Dv = 0` and no mask: every visible score is 0, so it is
-    /// the log of the visible key count, found without walking the keys (the views are empty,
-    /// so nothing else bounds `Lk`).
-    fn run_lse_only(&self) {
-        let s = &self.shape;
-        for b in 0..s.b {
-            for h in 0..s.hq {
-                for i in 0..s.lq {
-                    let (lo, hi) = self.key_range(b, i);
-                    let lse = if hi > lo {
-                        ((hi - lo) as f64).ln() as f32
-                    } else {
-                        f32::NEG_INFINITY
-                    };
-                    // SAFETY: `lse` holds `B·Hq·Lq` values (validated) and is not null here.
-                    unsafe { *self.lse.add((b * s.hq + h) * s.lq + i) = lse };
-                }
-            }
-        }
-    }
-
-    /// Whether [`Plan::for_each`] spreads `n` tasks over the rayon pool.
-    fn parallel(&self, par: Par, n: usize) -> bool {
-        parallel(par, n, self.work())
-    }
-
-    /// Multiply-adds of the whole call (for the sequential/parallel decision).
-    pub(crate) fn work(&self) -> usize {
-        let s = &self.shape;
-        [
-            s.b,
-            s.hq,
-            s.lq,
-            s.lk.max(1),
-            s.d.saturating_add(s.dv).max(1),
-        ]
-        .iter()
-        .fold(1usize, |a, &x| a.saturating_mul(x))
-    }
-
-    /// Runs `f(0..n)` on the rayon pool, or inline when `par` is `Seq` or the call is small.
-    pub(crate) fn for_each(&self, par: Par, n: usize, f: impl Fn(usize) + Sync + Send) {
-        run_tasks(par, n, self.work(), f)
-    }
-
-    /// `(b, h, row)` offset into a `(B, H, L, ·)` view with strides `st`.
-    pub(crate) fn off(st: [usize; 3], b: usize, h: usize, r: usize) -> usize {
-        b * st[0] + h * st[1] + r * st[2]
-    }
-
-    /// Causal offset of batch `b`: key `j` visible to query `i` iff `j ≤ i + offset`.
-    pub(crate) fn causal_off(&self, b: usize) -> Option<isize> {
-        self.causal.map(|c| self.offset(b, c))
-    }
-
-    /// Position of query 0 in key coordinates under alignment `c` for batch `b`.
-    fn offset(&self, b: usize, c: Causal) -> isize {
-        match c {
-            Causal::TopLeft => 0,
-            Causal::BottomRight => self.key_len(b) as isize - self.shape.lq as isize,
-        }
-    }
-
-    /// Visible key range `[lo, hi)` of query row `i` of batch `b` (key length, causality, window).
-    pub(crate) fn key_range(&self, b: usize, i: usize) -> (usize, usize) {
-        visible_range(self.key_len(b), self.causal_off(b), self.window, i)
-    }
-
-    /// The score rule of rows `row0…` of head `h` of batch `b`: visibility, masks (addressed at
-    /// row `row0`), ALiBi (aligned as the causal mask is, bottom-right without one), softcap and
-    /// sink.
-    pub(crate) fn spec(&self, b: usize, h: usize, row0: usize) -> ScoreSpec {
-        let at = |st: [usize; 3]| Plan::off(st, b, h, row0);
-        // SAFETY: (pointer offsets) rows `< Lq` of validated, in-bounds masks; `h < Hq` entries
-        // of the per-head slopes and sinks.
-        unsafe {
-            ScoreSpec {
-                row0,
-                key_len: self.key_len(b),
-                causal: self.causal_off(b),
-                window: self.window,
-                softcap: self.softcap,
-                alibi: self.alibi.map(|p| Alibi {
-                    slope: *p.add(h),
-                    offset: self.offset(b, self.causal.unwrap_or(Causal::BottomRight)),
-                }),
-                sink: self
-                    .sinks
-                    .map(|p| *p.add(h))
-                    .filter(|s| *s != f32::NEG_INFINITY),
-                bias: self
-                    .bias
-                    .map_or(core::ptr::null(), |m| m.ptr.add(at(m.strides))),
-                ldbias: self.bias.map_or(0, |m| m.strides[2]),
-                mask: self
-                    .mask
-                    .map_or(core::ptr::null(), |m| m.ptr.add(at(m.strides))),
-                ldmask: self.mask.map_or(0, |m| m.strides[2]),
-            }
-        }
-    }
-
-    /// Valid key count of batch `b`.
-    pub(crate) fn key_len(&self, b: usize) -> usize {
-        match self.key_lengths {
-            // SAFETY: validated to hold `B` entries.
-            Some(p) => unsafe { *p.add(b) },
-            None => self.shape.lk,
-        }
-    }
-
-    /// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of at
-    /// least `scratch_len(q_block, D, Dv)` floats.
-    fn task(&self, b: usize, h: usize, hk: usize, qb: usize, scratch: &mut [f32]) {
-        let s = &self.shape;
-        let row0 = qb * self.q_block();
-        let m = self.q_block().min(s.lq - row0);
-        let off3 = Plan::off;
-        // SAFETY: (pointer offsets below) every offset addresses an element inside its buffer,
-        // as validated by `check_len` / the dense-length checks in `Plan::new`.
-        let args = unsafe {
-            FlashArgs {
-                m,
-                n: s.lk,
-                d: s.d,
-                dv: s.dv,
-                scale: self.scale,
-                spec: self.spec(b, h, row0),
-                q: self.q.add(off3(self.qs, b, h, row0)),
-                ldq: self.qs[2],
-                k: self.k.add(off3(self.ks, b, hk, 0)),
-                ldk: self.ks[2],
-                v: self.v.add(off3(self.vs, b, hk, 0)),
-                ldv: self.vs[2],
-                o: self.o.add(off3(self.os, b, h, row0)),
-                ldo: self.os[2],
-                lse: if self.lse.is_null() {
-                    self.lse
+/// The logsumexp of rows with `D = Dv = 0` and no mask: every visible score is 0, so it is
+/// the log of the visible key count, found without walking the keys (the views are empty,
+/// so nothing else bounds `Lk`).
+fn run_lse_only(p: &Plan) {
+    let s = &p.shape;
+    for b in 0..s.b {
+        for h in 0..s.hq {
+            for i in 0..s.lq {
+                let (lo, hi) = p.key_range(b, i);
+                let lse = if hi > lo {
+                    ((hi - lo) as f64).ln() as f32
                 } else {
-                    self.lse.add((b * s.hq + h) * s.lq + row0)
-                },
-                weights: if self.weights.is_null() {
-                    self.weights
-                } else {
-                    self.weights.add(((b * s.hq + h) * s.lq + row0) * s.lk)
-                },
-                ldw: s.lk,
+                    f32::NEG_INFINITY
+                };
+                // SAFETY: `lse` holds `B·Hq·Lq` values (validated) and is not null here.
+                unsafe { *p.lse.add((b * s.hq + h) * s.lq + i) = lse };
             }
-        };
-        // SAFETY: `args` describes validated, in-bounds extents; this task's output rows (out,
-        // lse, weights) are disjoint from every other task's; the ISA was checked.
-        unsafe { flash_forward(self.isa, &args, scratch) }
+        }
     }
 }

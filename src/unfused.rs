@@ -6,11 +6,12 @@
 //! `blas` feature (single-threaded inside our rayon tasks; see [`sdpa_unfused_with`]).
 
 use crate::error::Result;
+use crate::exec::run_tasks;
 use crate::gemm::sgemm;
 pub use crate::gemm::Backend;
 use crate::options::SdpaOptions;
+use crate::plan::Plan;
 use crate::scratch::with_scratch;
-use crate::sdpa::Plan;
 use crate::view::{Tensor, TensorMut};
 use crate::Extras;
 use attnkit_kernels::{apply_scores, softmax_row_with_sink};
@@ -65,7 +66,9 @@ pub fn sdpa_unfused_with(
 ) -> Result<()> {
     let plan = Plan::new(q, k, v, out, opts, &mut Extras::default())?;
     let s = plan.shape;
-    plan.for_each(opts.par, s.b * s.hq, |bh| head(&plan, bh, backend));
+    run_tasks(opts.par, s.b * s.hq, plan.work(), |bh| {
+        head(&plan, bh, backend)
+    });
     Ok(())
 }
 

@@ -1,7 +1,7 @@
 //! The decode path: KV cache, split-KV, GQA grouping, merge, path choice.
 
 use attnkit::{
-    merge, sdpa, sdpa_ext, AttnError, Causal, Extras, Isa, KvCache, Partial, Path, SdpaOptions,
+    merge, sdpa, sdpa_ext, AttnError, Causal, Extras, Isa, Kernel, KvCache, Partial, SdpaOptions,
     Tensor, TensorMut,
 };
 use rand::rngs::SmallRng;
@@ -50,7 +50,7 @@ fn decode_path_equals_prefill_path() {
             if case % 7 == 2 {
                 opts = opts.bias(attnkit::MaskRef::new(&bias, [b, hq, lq, lk]));
             }
-            let run = |path: Path| {
+            let run = |path: Kernel| {
                 let mut out = vec![f32::NAN; b * hq * lq * dv];
                 let mut lse = vec![0.0f32; b * hq * lq];
                 sdpa_ext(
@@ -58,7 +58,7 @@ fn decode_path_equals_prefill_path() {
                     &Tensor::bhld(&k, [b, hkv, lk, d]),
                     &Tensor::bhld(&v, [b, hkv, lk, dv]),
                     &mut TensorMut::blhd(&mut out, [b, hq, lq, dv]),
-                    &opts.path(path),
+                    &opts.kernel(path),
                     Extras {
                         lse: Some(&mut lse),
                         weights: None,
@@ -67,8 +67,8 @@ fn decode_path_equals_prefill_path() {
                 .unwrap();
                 (out, lse)
             };
-            let (od, ld) = run(Path::Decode);
-            let (op, lp) = run(Path::Prefill);
+            let (od, ld) = run(Kernel::Decode);
+            let (op, lp) = run(Kernel::Prefill);
             let ctx =
                 format!("{isa} case {case}: b={b} hq={hq} hkv={hkv} lq={lq} lk={lk} d={d} dv={dv}");
             close(&od, &op, 2e-6, 1e-5, &ctx);
@@ -345,7 +345,7 @@ fn gqa_grouping_equals_repeated_kv() {
     for isa in Isa::available() {
         let mut grouped = vec![0.0; hq * lq * d];
         let mut plain = vec![0.0; hq * lq * d];
-        let opts = SdpaOptions::new().isa(isa).path(Path::Decode);
+        let opts = SdpaOptions::new().isa(isa).kernel(Kernel::Decode);
         sdpa(
             &Tensor::bhld(&q, [1, hq, lq, d]),
             &Tensor::bhld(&k, [1, hkv, lk, d]),
@@ -386,7 +386,7 @@ fn decode_is_bitwise_identical_across_thread_counts() {
                 &Tensor::bhld(&k, [1, hkv, lk, d]),
                 &Tensor::bhld(&v, [1, hkv, lk, d]),
                 &mut TensorMut::bhld(&mut out, [1, hq, 1, d]),
-                &SdpaOptions::new().path(Path::Decode),
+                &SdpaOptions::new().kernel(Kernel::Decode),
             )
             .unwrap()
         });
@@ -405,26 +405,26 @@ fn decode_is_bitwise_identical_across_thread_counts() {
 
 #[test]
 fn auto_path_follows_the_measured_crossover() {
-    use attnkit::choose_path;
+    use attnkit::choose_kernel;
     let auto = SdpaOptions::new();
-    // (Lq, Hq, Hkv, Lk) → the kernel Path::Auto must pick (BENCHMARKS.md, "Path choice").
+    // (Lq, Hq, Hkv, Lk) → the kernel Kernel::Auto must pick (BENCHMARKS.md, "Kernel choice").
     for (lq, hq, hkv, lk, want) in [
-        (1, 32, 32, 4096, Path::Decode),
-        (4, 8, 8, 16, Path::Decode),
-        (8, 32, 32, 4096, Path::Decode),
-        (8, 32, 8, 512, Path::Decode),
-        (8, 32, 8, 64, Path::Prefill),
-        (9, 32, 32, 4096, Path::Prefill),
-        (16, 32, 8, 4096, Path::Prefill),
-        (4, 32, 32, 2, Path::Prefill),
+        (1, 32, 32, 4096, Kernel::Decode),
+        (4, 8, 8, 16, Kernel::Decode),
+        (8, 32, 32, 4096, Kernel::Decode),
+        (8, 32, 8, 512, Kernel::Decode),
+        (8, 32, 8, 64, Kernel::Prefill),
+        (9, 32, 32, 4096, Kernel::Prefill),
+        (16, 32, 8, 4096, Kernel::Prefill),
+        (4, 32, 32, 2, Kernel::Prefill),
     ] {
-        let got = choose_path([1, hq, lq, 128], [1, hkv, lk, 128], &auto);
+        let got = choose_kernel([1, hq, lq, 128], [1, hkv, lk, 128], &auto);
         assert_eq!(got, want, "Lq {lq}, Hq {hq}, Hkv {hkv}, Lk {lk}");
     }
-    let forced = SdpaOptions::new().path(Path::Prefill);
+    let forced = SdpaOptions::new().kernel(Kernel::Prefill);
     assert_eq!(
-        choose_path([1, 32, 1, 128], [1, 32, 4096, 128], &forced),
-        Path::Prefill
+        choose_kernel([1, 32, 1, 128], [1, 32, 4096, 128], &forced),
+        Kernel::Prefill
     );
 }
 
@@ -472,7 +472,7 @@ fn nested_calls_from_rayon_tasks() {
             &Tensor::bhld(k, [1, hkv, lk, d]),
             &Tensor::bhld(v, [1, hkv, lk, d]),
             &mut TensorMut::bhld(&mut out, [1, hq, 1, d]),
-            &SdpaOptions::new().path(Path::Decode).par(par),
+            &SdpaOptions::new().kernel(Kernel::Decode).par(par),
         )
         .unwrap();
         out

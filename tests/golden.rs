@@ -1,7 +1,7 @@
 //! PyTorch goldens (`tests/data`, copied from `shared/golden`) through the public API, on every
 //! ISA this CPU has (and once on the ISA the crate detects, so `ATTNKIT_ISA` forces a path):
 //! `sdpa` with BHLD views, `sdpa` with BLHD inputs and output, `sdpa` forced onto each kernel
-//! (`Path::Prefill`, `Path::Decode`), and `unfused::sdpa_unfused`. Each output element must satisfy
+//! (`Kernel::Prefill`, `Kernel::Decode`), and `unfused::sdpa_unfused`. Each output element must satisfy
 //! `|out − golden_f64| ≤ 1e-5 + 1e-5·|golden_f64|` (the README's hint: PyTorch's own f32 lands
 //! within 7e-7 of the f64 golden in every case).
 //!
@@ -14,8 +14,7 @@
 mod common;
 
 use attnkit::{
-    sdpa, sdpa_ext, unfused, Causal, Extras, Isa, MaskRef, Path as Kernel, SdpaOptions, Tensor,
-    TensorMut,
+    sdpa, sdpa_ext, unfused, Causal, Extras, Isa, Kernel, MaskRef, SdpaOptions, Tensor, TensorMut,
 };
 use common::{compare, from_blhd, isas, to_blhd, ATOL, RTOL};
 use std::path::{Path, PathBuf};
@@ -524,7 +523,7 @@ fn variants(g: &Golden) -> Vec<Variant> {
     v
 }
 
-/// How a golden is run: the fused kernel with `Path::Auto` on BHLD views and on BLHD views, the
+/// How a golden is run: the fused kernel with `Kernel::Auto` on BHLD views and on BLHD views, the
 /// fused kernel forced onto each of its two kernels (BHLD), and the unfused baseline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Run {
@@ -559,8 +558,8 @@ fn run(x: &Inputs, opts: &SdpaOptions, how: Run) -> Vec<f32> {
     let n: usize = x.os.iter().product();
     let mut out = vec![f32::NAN; n];
     let forced = match how {
-        Run::Prefill => opts.path(Kernel::Prefill),
-        Run::Decode => opts.path(Kernel::Decode),
+        Run::Prefill => opts.kernel(Kernel::Prefill),
+        Run::Decode => opts.kernel(Kernel::Decode),
         _ => *opts,
     };
     let r = match how {
@@ -703,7 +702,7 @@ fn check_case(name: &str) {
         }
 
         // Weights and logsumexp through `sdpa_ext` (first variant), then lse alone on each
-        // kernel (asking for weights selects the prefill kernel; lse alone keeps `Path::Auto`'s
+        // kernel (asking for weights selects the prefill kernel; lse alone keeps `Kernel::Auto`'s
         // choice). Fully masked rows are exactly 0 with lse = −inf on every kernel, the others
         // have a finite lse, the same on every kernel.
         let n_rows = b * h * lq;
@@ -723,7 +722,7 @@ fn check_case(name: &str) {
                 &Tensor::bhld(&x.k, x.ks),
                 &Tensor::bhld(&x.v, x.vs),
                 &mut TensorMut::bhld(&mut out, os),
-                &vars[0].opts(scale, Some(isa)).path(kernel),
+                &vars[0].opts(scale, Some(isa)).kernel(kernel),
                 Extras {
                     lse: Some(&mut lse),
                     weights: with_w.then_some(&mut w[..]),
@@ -996,7 +995,7 @@ fn check_modifier_case(name: &str) {
                     &Tensor::bhld(&x.k, x.ks),
                     &Tensor::bhld(&x.v, x.vs),
                     &mut TensorMut::bhld(&mut out, os),
-                    &opts.path(kernel),
+                    &opts.kernel(kernel),
                     Extras {
                         lse: Some(&mut lse),
                         weights: None,

@@ -11,7 +11,7 @@ use attnkit::kernels::{
 };
 use attnkit::{
     sdpa, sdpa_ext, sdpa_vec, AdditiveAttention, AdditiveOptions, AttnError, Causal, Extras,
-    KvCache, Linear, MaskRef, MhaConfig, MhaOptions, MultiheadAttention, Par, Path, SdpaOptions,
+    Kernel, KvCache, Linear, MaskRef, MhaConfig, MhaOptions, MultiheadAttention, Par, SdpaOptions,
     SelfAttention, StateDict, Tensor, TensorMut, Tokens,
 };
 use common::{close, isas, reference, Dims, Problem, RefMask, ATOL, RTOL};
@@ -90,7 +90,7 @@ fn prefill_causal_with_mask_bias_weights_and_window() {
                 (None, false, true),
                 (Some(4), false, false),
             ] {
-                let mut opts = opts_for(isa).causal(causal).path(Path::Prefill);
+                let mut opts = opts_for(isa).causal(causal).kernel(Kernel::Prefill);
                 let mut ref_mask = RefMask::None;
                 if masked {
                     opts = opts.bool_mask(MaskRef::new(&mask, shape));
@@ -147,10 +147,10 @@ fn huge_window_means_no_window() {
     };
     let (q, k, v) = (vals(2 * 3 * 4, 5), vals(6 * 4, 6), vals(6 * 4, 7));
     for isa in isas() {
-        for path in [Path::Prefill, Path::Decode] {
+        for path in [Kernel::Prefill, Kernel::Decode] {
             for causal in [Causal::TopLeft, Causal::BottomRight] {
                 let run = |window: Option<usize>| {
-                    let mut opts = opts_for(isa).causal(causal).path(path);
+                    let mut opts = opts_for(isa).causal(causal).kernel(path);
                     if let Some(w) = window {
                         opts = opts.window(w);
                     }
@@ -218,9 +218,9 @@ fn decode_kernel_with_empty_rows_returns() {
 #[test]
 fn empty_rows_with_huge_key_count_return_at_once() {
     let lk = 1usize << 40;
-    for path in [Path::Prefill, Path::Decode] {
+    for path in [Kernel::Prefill, Kernel::Decode] {
         for causal in [None, Some(Causal::TopLeft), Some(Causal::BottomRight)] {
-            let mut opts = SdpaOptions::new().path(path);
+            let mut opts = SdpaOptions::new().kernel(path);
             if let Some(c) = causal {
                 opts = opts.causal(c);
             }
@@ -609,7 +609,7 @@ fn kv_cache_decode_matches_reference() {
             .attend(
                 &Tensor::bhld(&q, [b, hq, 1, d]),
                 &mut TensorMut::bhld(&mut out, [b, hq, 1, d]),
-                &opts_for(isa).path(Path::Decode),
+                &opts_for(isa).kernel(Kernel::Decode),
             )
             .unwrap();
         let dims = Dims {

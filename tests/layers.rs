@@ -8,7 +8,7 @@
 mod common;
 
 use attnkit::{
-    dot_product_attention, scaled_dot_product_attention, AttnError, AttnPath, Isa, KeyPadding,
+    dot_product_attention, scaled_dot_product_attention, AttnError, Fusion, Isa, KeyPadding,
     Linear, MhaConfig, MhaMask, MhaOptions, MultiheadAttention, Par, SdpaOptions, SelfAttention,
     StateDict, Tensor, TensorMut, Tokens,
 };
@@ -172,7 +172,7 @@ fn golden_mha_self() {
                     &t,
                     &t,
                     &t,
-                    &MhaOptions::new().isa(isa).par(par).path(AttnPath::Unfused),
+                    &MhaOptions::new().isa(isa).par(par).fusion(Fusion::Unfused),
                 )
                 .unwrap();
             check(&format!("{case} {isa} unfused attention"), &y.out, &out);
@@ -1245,8 +1245,8 @@ fn mha_score_modifiers_reach_the_kernels() {
     }
     let sinks: Vec<f32> = (0..h).map(|i| i as f32 - 2.0).collect();
     for isa in isas() {
-        for path in [AttnPath::Fused, AttnPath::Unfused] {
-            let base = MhaOptions::new().isa(isa).path(path).causal(true);
+        for path in [Fusion::Fused, Fusion::Unfused] {
+            let base = MhaOptions::new().isa(isa).fusion(path).causal(true);
             let y = mha.forward(&t, &t, &t, &base.alibi(&slopes)).unwrap();
             let masked = base.attn_mask(MhaMask::float_3d(&bias, b * h, l, l));
             let want = mha.forward(&t, &t, &t, &masked).unwrap();
@@ -1266,7 +1266,7 @@ fn mha_score_modifiers_reach_the_kernels() {
                     &t,
                     &t,
                     &t,
-                    &base.sinks(&sinks).softcap(0.5).path(AttnPath::Fused),
+                    &base.sinks(&sinks).softcap(0.5).fusion(Fusion::Fused),
                 )
                 .unwrap();
             let moved = plain

@@ -6,7 +6,7 @@
 mod common;
 
 use attnkit::{
-    sdpa_ext, unfused, Causal, Extras, Isa, MaskRef, Par, Path, SdpaOptions, Tensor, TensorMut,
+    sdpa_ext, unfused, Causal, Extras, Isa, Kernel, MaskRef, Par, SdpaOptions, Tensor, TensorMut,
 };
 use common::{isas, randn, Dims};
 use rand::rngs::SmallRng;
@@ -20,7 +20,7 @@ struct Setup {
     key_lengths: Option<Vec<usize>>,
     /// Output (and inputs) in BLHD order, so tasks write interleaved rows.
     blhd: bool,
-    path: Path,
+    path: Kernel,
     /// Ask for the weights (which selects the prefill kernel).
     weights: bool,
 }
@@ -63,7 +63,7 @@ fn tensor<'a>(s: &Setup, x: &'a [f32], shape: [usize; 4]) -> Tensor<'a> {
 
 fn run(s: &Setup, x: &Data, isa: Isa, par: Par, fused: bool) -> Bits {
     let d = s.dims;
-    let mut opts = SdpaOptions::new().isa(isa).par(par).path(s.path);
+    let mut opts = SdpaOptions::new().isa(isa).par(par).kernel(s.path);
     if let Some(c) = s.causal {
         opts = opts.causal(c);
     }
@@ -138,7 +138,7 @@ fn setups() -> Vec<Setup> {
             bias: false,
             key_lengths: None,
             blhd: false,
-            path: Path::Auto,
+            path: Kernel::Auto,
             weights: true,
         },
         Setup {
@@ -156,7 +156,7 @@ fn setups() -> Vec<Setup> {
             bias: false,
             key_lengths: None,
             blhd: true,
-            path: Path::Auto,
+            path: Kernel::Auto,
             weights: true,
         },
         Setup {
@@ -174,7 +174,7 @@ fn setups() -> Vec<Setup> {
             bias: true,
             key_lengths: Some(vec![333, 150]),
             blhd: false,
-            path: Path::Auto,
+            path: Kernel::Auto,
             weights: true,
         },
         Setup {
@@ -192,7 +192,7 @@ fn setups() -> Vec<Setup> {
             bias: false,
             key_lengths: Some(vec![5000, 3333]),
             blhd: true,
-            path: Path::Auto,
+            path: Kernel::Auto,
             weights: false,
         },
         Setup {
@@ -210,7 +210,7 @@ fn setups() -> Vec<Setup> {
             bias: true,
             key_lengths: None,
             blhd: false,
-            path: Path::Decode,
+            path: Kernel::Decode,
             weights: false,
         },
     ]

@@ -11,7 +11,7 @@
 mod common;
 
 use attnkit::{
-    sdpa, sdpa_ext, unfused, AttnError, Causal, Extras, Isa, Layout, MaskRef, Path, SdpaOptions,
+    sdpa, sdpa_ext, unfused, AttnError, Causal, Extras, Isa, Kernel, Layout, MaskRef, SdpaOptions,
     Tensor, TensorMut,
 };
 use common::{
@@ -30,17 +30,17 @@ const TAILS: [usize; 24] = [
     299,
 ];
 
-/// The kernels a call can run on: the fused kernel on each [`Path`], and (`None`) the unfused
+/// The kernels a call can run on: the fused kernel on each [`Kernel`], and (`None`) the unfused
 /// baseline.
-const KERNELS: [Option<Path>; 4] = [
-    Some(Path::Auto),
-    Some(Path::Prefill),
-    Some(Path::Decode),
+const KERNELS: [Option<Kernel>; 4] = [
+    Some(Kernel::Auto),
+    Some(Kernel::Prefill),
+    Some(Kernel::Decode),
     None,
 ];
 
 fn run_kernel(
-    kernel: Option<Path>,
+    kernel: Option<Kernel>,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -49,7 +49,7 @@ fn run_kernel(
     lse: Option<&mut [f32]>,
 ) -> attnkit::Result<()> {
     match kernel {
-        Some(p) => sdpa_ext(q, k, v, out, &opts.path(p), Extras { lse, weights: None }),
+        Some(p) => sdpa_ext(q, k, v, out, &opts.kernel(p), Extras { lse, weights: None }),
         None => unfused::sdpa_unfused(q, k, v, out, opts),
     }
 }
@@ -266,7 +266,7 @@ fn first_bad(name: &str, c: &Case, isa: Isa, got: &[f32], want: &[f64]) {
     }
 }
 
-/// Runs a case on every ISA through the fused kernel on each `Path` and the unfused baseline (and
+/// Runs a case on every ISA through the fused kernel on each `Kernel` and the unfused baseline (and
 /// `sdpa_ext` with lse and weights if asked) and checks every output against the reference, and
 /// that the output padding is still NaN. Returns the largest error seen.
 fn check(c: &Case) -> f64 {
@@ -281,9 +281,9 @@ fn check(c: &Case) -> f64 {
         let opts = c.opts(&x, isa);
         // `None` is the unfused baseline.
         for path in [
-            Some(Path::Auto),
-            Some(Path::Prefill),
-            Some(Path::Decode),
+            Some(Kernel::Auto),
+            Some(Kernel::Prefill),
+            Some(Kernel::Decode),
             None,
         ] {
             let mut out = Strided::filled(d.out(), c.specs[3], f32::NAN);
@@ -295,7 +295,7 @@ fn check(c: &Case) -> f64 {
                 );
                 let mut o = view_mut(&mut out, c.specs[3]);
                 match path {
-                    Some(p) => sdpa(&q, &k, &v, &mut o, &opts.path(p)),
+                    Some(p) => sdpa(&q, &k, &v, &mut o, &opts.kernel(p)),
                     None => unfused::sdpa_unfused(&q, &k, &v, &mut o, &opts),
                 }
             };
@@ -316,7 +316,7 @@ fn check(c: &Case) -> f64 {
         if c.extras {
             let rows = d.b * d.hq * d.lq;
             // With weights (which select the prefill kernel), then lse alone on the decode kernel.
-            for (path, want_w) in [(Path::Auto, true), (Path::Decode, false)] {
+            for (path, want_w) in [(Kernel::Auto, true), (Kernel::Decode, false)] {
                 let mut lse = vec![f32::NAN; rows];
                 let mut w = vec![f32::NAN; rows * d.lk];
                 let mut out = Strided::filled(d.out(), c.specs[3], f32::NAN);
@@ -329,7 +329,7 @@ fn check(c: &Case) -> f64 {
                     &view(&kv, c.specs[1]),
                     &view(&vv, c.specs[2]),
                     &mut view_mut(&mut out, c.specs[3]),
-                    &opts.path(path),
+                    &opts.kernel(path),
                     extras,
                 )
                 .unwrap_or_else(|e| panic!("sdpa_ext {isa}: unexpected error {e}\ncase: {c:?}"));
@@ -1126,7 +1126,7 @@ fn softmax_shift_invariance_through_bias() {
             if let Some(c) = causal {
                 base_opts = base_opts.causal(c);
             }
-            let run = |opts: &SdpaOptions, kernel: Option<Path>| {
+            let run = |opts: &SdpaOptions, kernel: Option<Kernel>| {
                 let mut out = vec![0.0f32; dims.out().iter().product()];
                 let (qt, kt, vt) = (
                     Tensor::bhld(&q, dims.q()),

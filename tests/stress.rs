@@ -8,8 +8,8 @@
 mod common;
 
 use attnkit::{
-    sdpa, AdditiveAttention, AdditiveOptions, Causal, Isa, KvCache, MaskRef, MhaConfig, MhaOptions,
-    MultiheadAttention, Par, Path, SdpaOptions, StateDict, Tensor, TensorMut, Tokens,
+    sdpa, AdditiveAttention, AdditiveOptions, Causal, Isa, Kernel, KvCache, MaskRef, MhaConfig,
+    MhaOptions, MultiheadAttention, Par, SdpaOptions, StateDict, Tensor, TensorMut, Tokens,
 };
 use common::{isas, randn};
 use rand::rngs::SmallRng;
@@ -28,7 +28,7 @@ fn rand(seed: u64, n: usize) -> Vec<f32> {
 }
 
 /// `sdpa` on dense BHLD inputs `(b, hq, hkv, lq, lk, d)` with a bias when `bias`.
-fn sdpa_job(isa: Isa, dims: [usize; 6], causal: Option<Causal>, bias: bool, path: Path) -> Job {
+fn sdpa_job(isa: Isa, dims: [usize; 6], causal: Option<Causal>, bias: bool, path: Kernel) -> Job {
     let [b, hq, hkv, lq, lk, d] = dims;
     let seed = dims.iter().sum::<usize>() as u64;
     let (q, k, v) = (
@@ -38,7 +38,7 @@ fn sdpa_job(isa: Isa, dims: [usize; 6], causal: Option<Causal>, bias: bool, path
     );
     let m = rand(seed + 3, if bias { lq * lk } else { 0 });
     Box::new(move |par| {
-        let mut opts = SdpaOptions::new().isa(isa).par(par).path(path);
+        let mut opts = SdpaOptions::new().isa(isa).par(par).kernel(path);
         if let Some(c) = causal {
             opts = opts.causal(c);
         }
@@ -150,22 +150,28 @@ fn mixed_calls_in_nested_pools_agree_with_sequential_runs() {
             [2, 4, 4, 200, 200, 64],
             causal,
             false,
-            Path::Auto,
+            Kernel::Auto,
         ));
-        jobs.push(sdpa_job(isa, [2, 8, 8, 10, 10, 16], None, true, Path::Auto));
+        jobs.push(sdpa_job(
+            isa,
+            [2, 8, 8, 10, 10, 16],
+            None,
+            true,
+            Kernel::Auto,
+        ));
         jobs.push(sdpa_job(
             isa,
             [1, 8, 2, 1, 3000, 64],
             None,
             false,
-            Path::Decode,
+            Kernel::Decode,
         ));
         jobs.push(sdpa_job(
             isa,
             [1, 4, 2, 3, 900, 40],
             Some(Causal::BottomRight),
             true,
-            Path::Decode,
+            Kernel::Decode,
         ));
         jobs.push(cache_job(isa));
     }

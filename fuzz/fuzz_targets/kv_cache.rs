@@ -11,7 +11,7 @@
 #![no_main]
 
 use arbitrary::{Result, Unstructured};
-use attnkit::{sdpa_vec, Causal, Isa, KvCache, MaskRef, Par, Path, SdpaOptions, Tensor};
+use attnkit::{sdpa_vec, Causal, Isa, Kernel, KvCache, MaskRef, Par, SdpaOptions, Tensor};
 use attnkit_fuzz::alloc::ALLOC_LIMIT;
 use attnkit_fuzz::expect::Expect;
 use attnkit_fuzz::gen::{chance, product, size, small, wild, Rng};
@@ -431,7 +431,7 @@ fn read_view(view: &Tensor) -> Option<Vec<f32>> {
     let empty = Tensor::bhld(&[], [b, h, l, 0]);
     let opts = SdpaOptions::new()
         .bool_mask(MaskRef::new(&eye, [1, 1, l, l]))
-        .path(Path::Prefill)
+        .kernel(Kernel::Prefill)
         .isa(Isa::Scalar)
         .par(Par::Seq);
     Some(sdpa_vec(&empty, &empty, view, &opts).expect("reading a cache view through sdpa"))

@@ -12,7 +12,7 @@
 
 use arbitrary::{Result, Unstructured};
 use attnkit::{
-    AdditiveAttention, AdditiveOptions, AttnPath, Isa, KeyPadding, Linear, MhaConfig, MhaOptions,
+    AdditiveAttention, AdditiveOptions, Fusion, Isa, KeyPadding, Linear, MhaConfig, MhaOptions,
     MultiheadAttention, Par, SelfAttention, StateDict, Tokens,
 };
 use attnkit_fuzz::expect::Expect;
@@ -748,7 +748,7 @@ struct MhaOpts {
     weights: (bool, bool),
     isa: Option<Isa>,
     par: Par,
-    path: AttnPath,
+    path: Fusion,
 }
 
 impl MhaOpts {
@@ -757,7 +757,7 @@ impl MhaOpts {
             .causal(self.causal)
             .need_weights(self.weights.0, self.weights.1)
             .par(self.par)
-            .path(self.path);
+            .fusion(self.path);
         if let Some(l) = &self.lens {
             o = o.key_padding_mask(KeyPadding::lengths(l));
         }
@@ -772,8 +772,8 @@ impl MhaOpts {
 fn mha_options(u: &mut Unstructured, b: usize, lk: usize, expect: &mut Expect) -> Result<MhaOpts> {
     let lens = key_lengths(u, b, lk, expect)?;
     let weights = (chance(u, 1, 3)?, chance(u, 1, 2)?);
-    let path = *u.choose(&[AttnPath::Fused, AttnPath::Unfused])?;
-    if path == AttnPath::Unfused && weights.0 {
+    let path = *u.choose(&[Fusion::Fused, Fusion::Unfused])?;
+    if path == Fusion::Unfused && weights.0 {
         expect.fault("weights from the unfused path");
     }
     let opts = MhaOpts {

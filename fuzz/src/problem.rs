@@ -4,7 +4,7 @@
 use crate::expect::Expect;
 use crate::gen::{chance, product, size, small, wild, Rng};
 use arbitrary::{Result, Unstructured};
-use attnkit::{Causal, Isa, MaskRef, Par, Path, SdpaOptions};
+use attnkit::{Causal, Isa, Kernel, MaskRef, Par, SdpaOptions};
 
 /// Largest buffer (elements) the targets allocate at full length for small problems (1 MiB).
 pub const MAX_LEN: usize = 1 << 18;
@@ -234,7 +234,7 @@ pub struct OptSpec {
     pub window: Option<usize>,
     pub key_lengths: Option<Vec<usize>>,
     pub mask: Option<MaskSpec>,
-    pub path: Path,
+    pub path: Kernel,
     pub isa: Option<Isa>,
     pub par: Par,
     /// ALiBi slopes, softcap, sink logits.
@@ -271,7 +271,7 @@ impl OptSpec {
         } else {
             None
         };
-        let path = *u.choose(&[Path::Auto, Path::Prefill, Path::Decode])?;
+        let path = *u.choose(&[Kernel::Auto, Kernel::Prefill, Kernel::Decode])?;
         let isa = if chance(u, 1, 2)? {
             let isa = *u.choose(&Isa::ALL)?;
             if !isa.is_supported() {
@@ -302,7 +302,7 @@ impl OptSpec {
 
     /// The options with threading `par`.
     pub fn options(&self, par: Par) -> SdpaOptions<'_> {
-        let mut o = SdpaOptions::new().path(self.path).par(par);
+        let mut o = SdpaOptions::new().kernel(self.path).par(par);
         if let Some(s) = self.scale {
             o = o.scale(s);
         }

@@ -20,6 +20,7 @@
 //! key range, so a long cache can be cut into chunks processed in parallel and merged exactly
 //! ([`merge_partials`]).
 
+use crate::elem::{get, Elem};
 use crate::score::ScoreSpec;
 use crate::simd::{aligned, exp2, Simd, SimdDiv, ALIGN_SLACK};
 
@@ -71,32 +72,33 @@ impl DecodeWalk {
 /// Rows one kernel call handles at most (more are processed in several passes by the caller).
 pub const DECODE_MAX_ROWS: usize = 8;
 
-/// One query row of a decode group.
+/// One query row of a decode group (its values of type `Q`, widened to f32 on load).
 #[derive(Clone, Copy, Debug)]
-pub struct DecodeRow {
+pub struct DecodeRow<Q: Elem = f32> {
     /// The query vector (`d` values).
-    pub q: *const f32,
+    pub q: *const Q,
     /// The row's score rule: `spec.row0` is the row's index in the query sequence, its bias and
     /// mask pointers address the row (indexed by key). The sink is applied by
     /// [`merge_partials`], not by the kernel.
     pub spec: ScoreSpec,
 }
 
-/// A group of rows sharing K and V, and the key range `[j_begin, j_end)` to process.
+/// A group of rows sharing K and V, and the key range `[j_begin, j_end)` to process. K and V are
+/// read as `KV` (any [`Elem`], widened to f32 on load).
 #[derive(Clone, Copy, Debug)]
-pub struct DecodeArgs<'a> {
+pub struct DecodeArgs<'a, Q: Elem = f32, KV: Elem = f32> {
     /// The rows (at most [`DECODE_MAX_ROWS`]).
-    pub rows: &'a [DecodeRow],
+    pub rows: &'a [DecodeRow<Q>],
     /// Head dimension of Q and K.
     pub d: usize,
     /// Head dimension of V.
     pub dv: usize,
     /// Key row `j` at `k + j*ldk`.
-    pub k: *const f32,
+    pub k: *const KV,
     /// Row stride of K.
     pub ldk: usize,
     /// Value row `j` at `v + j*ldv`.
-    pub v: *const f32,
+    pub v: *const KV,
     /// Row stride of V.
     pub ldv: usize,
     /// First key of the range.
@@ -120,18 +122,13 @@ pub fn decode_scratch_len(d: usize, dv: usize) -> usize {
     r * d.div_ceil(16) * 16 + r * dv.div_ceil(16) * 16 + 2 * r * DECODE_KEY_BLOCK + ALIGN_SLACK
 }
 
-/// Requests the cache line holding `p` (a prefetch never faults, so `p` may be anywhere).
-#[inline(always)]
-fn prefetch(p: *const f32) {
-    crate::simd::prefetch_l2(p.cast());
-}
-
-/// A cursor over the cache lines of `rows` rows of `n` floats (stride `ld`), requested a few at a
+/// A cursor over the cache lines of `rows` rows of `n` values (stride `ld`), requested a few at a
 /// time in address order, so the prefetches of a key group are spread over its compute loop
 /// (measured: sent in one burst per group, or as straight-line code, they were slower from DRAM;
 /// perhaps the miss queues overflow and drop them).
 struct Lines {
-    p: *const f32,
+    /// First byte, row stride in bytes.
+    p: *const u8,
     ld: usize,
     per_row: usize,
     rows: usize,
@@ -141,11 +138,12 @@ struct Lines {
 
 impl Lines {
     #[inline(always)]
-    fn new(p: *const f32, ld: usize, n: usize, rows: usize) -> Self {
+    fn new<E: Elem>(p: *const E, ld: usize, n: usize, rows: usize) -> Self {
+        let size = core::mem::size_of::<E>();
         Lines {
-            p,
-            ld,
-            per_row: n.div_ceil(16),
+            p: p.cast(),
+            ld: ld * size,
+            per_row: (n * size).div_ceil(64),
             // Empty rows (D or Dv = 0) have no lines: `next` would never reach a row's end.
             rows: if n == 0 { 0 } else { rows },
             row: 0,
@@ -161,7 +159,8 @@ impl Lines {
     fn next(&mut self, count: usize) {
         let mut left = count;
         while left > 0 && self.row < self.rows {
-            prefetch(self.p.wrapping_add(self.row * self.ld + self.line * 16));
+            // A prefetch never faults, so the address may be anywhere.
+            crate::simd::prefetch_l2(self.p.wrapping_add(self.row * self.ld + self.line * 64));
             self.line += 1;
             if self.line == self.per_row {
                 self.line = 0;
@@ -189,6 +188,8 @@ impl Lines {
 #[inline(always)]
 unsafe fn decode_rows<
     S: SimdDiv,
+    Q: Elem,
+    KV: Elem,
     const R: usize,
     const KEYS: usize,
     const KM: bool,
@@ -196,7 +197,7 @@ unsafe fn decode_rows<
     const NC: usize,
     const PF: usize,
 >(
-    a: &DecodeArgs,
+    a: &DecodeArgs<Q, KV>,
     partial: *mut f32,
     ldp: usize,
     scratch: &mut [f32],
@@ -231,7 +232,7 @@ unsafe fn decode_rows<
         obuf.fill(0.0);
         for (r, row) in rows.iter().enumerate() {
             for p in 0..d {
-                qbuf[r * dp + p] = *row.q.add(p) * qscale;
+                qbuf[r * dp + p] = get(row.q.add(p)) * qscale;
             }
         }
         let ranges: [(usize, usize); R] = core::array::from_fn(|r| rows[r].spec.visible_range(0));
@@ -250,7 +251,7 @@ unsafe fn decode_rows<
             while k0 < nk.max(pn) {
                 if k0 < nk {
                     let k1 = nk.min(k0 + sub);
-                    scores::<S, R, KEYS, KM, PF>(
+                    scores::<S, Q, KV, R, KEYS, KM, PF>(
                         a,
                         qbuf.as_ptr(),
                         dp,
@@ -262,19 +263,19 @@ unsafe fn decode_rows<
                 }
                 if let Some((pj, pn)) = prev.filter(|&(_, n)| k0 < n) {
                     let k1 = pn.min(k0 + sub);
-                    pv_block::<S, R, RG, NC>(a, pj, k0, k1, sprev, obuf, dvp);
+                    pv_block::<S, Q, KV, R, RG, NC>(a, pj, k0, k1, sprev, obuf, dvp);
                 }
                 k0 += sub;
             }
             if nk > 0 {
                 // Every P·V of the previous block is done: now the rescale may touch O.
-                softmax_block::<S, R>(rows, jb, nk, scur, obuf, dvp, &mut st);
+                softmax_block::<S, Q, R>(rows, jb, nk, scur, obuf, dvp, &mut st);
                 if KM {
                     prev = Some((jb, nk));
                     cur ^= 1;
                 } else {
                     // Chunk-major groups read V right away, as their prefetches expect.
-                    pv_block::<S, R, RG, NC>(a, jb, 0, nk, scur, obuf, dvp);
+                    pv_block::<S, Q, KV, R, RG, NC>(a, jb, 0, nk, scur, obuf, dvp);
                 }
             } else {
                 prev = None;
@@ -296,8 +297,8 @@ unsafe fn decode_rows<
 /// As [`decode_rows`]; `p` holds the block's weights (R rows of [`DECODE_KEY_BLOCK`]), `o` R
 /// rows of `dvp` floats.
 #[inline(always)]
-unsafe fn pv_block<S: Simd, const R: usize, const RG: usize, const NC: usize>(
-    a: &DecodeArgs,
+unsafe fn pv_block<S: Simd, Q: Elem, KV: Elem, const R: usize, const RG: usize, const NC: usize>(
+    a: &DecodeArgs<Q, KV>,
     jb: usize,
     k0: usize,
     k1: usize,
@@ -319,14 +320,14 @@ unsafe fn pv_block<S: Simd, const R: usize, const RG: usize, const NC: usize>(
     unsafe {
         while r0 + RG <= R {
             let (pp, op) = (p.as_ptr().add(r0 * KB + k0), o.as_mut_ptr().add(r0 * dvp));
-            pv_rows::<S, RG, NC>(&blk, pp, op);
+            pv_rows::<S, KV, RG, NC>(&blk, pp, op);
             r0 += RG;
         }
         let (pp, op) = (p.as_ptr().add(r0 * KB + k0), o.as_mut_ptr().add(r0 * dvp));
         match R - r0 {
-            1 => pv_rows::<S, 1, NC>(&blk, pp, op),
-            2 => pv_rows::<S, 2, NC>(&blk, pp, op),
-            3 => pv_rows::<S, 3, NC>(&blk, pp, op),
+            1 => pv_rows::<S, KV, 1, NC>(&blk, pp, op),
+            2 => pv_rows::<S, KV, 2, NC>(&blk, pp, op),
+            3 => pv_rows::<S, KV, 3, NC>(&blk, pp, op),
             _ => {}
         }
     }
@@ -346,8 +347,16 @@ struct RowState<const R: usize> {
 /// As [`decode_rows`]; `q` holds R rows of `dp` scaled query values; `s` writable for R rows of
 /// [`DECODE_KEY_BLOCK`]; `k1 ≤ DECODE_KEY_BLOCK`.
 #[inline(always)]
-unsafe fn scores<S: Simd, const R: usize, const KEYS: usize, const KM: bool, const PF: usize>(
-    a: &DecodeArgs,
+unsafe fn scores<
+    S: Simd,
+    Q: Elem,
+    KV: Elem,
+    const R: usize,
+    const KEYS: usize,
+    const KM: bool,
+    const PF: usize,
+>(
+    a: &DecodeArgs<Q, KV>,
     q: *const f32,
     dp: usize,
     jb: usize,
@@ -371,7 +380,7 @@ unsafe fn scores<S: Simd, const R: usize, const KEYS: usize, const KM: bool, con
                 *p = a.k.add((jb + jj + k.min(live - 1)) * a.ldk);
             }
             let acc = if KM {
-                dots_key_major::<S, R, KEYS>(kp, q, dp, dfull)
+                dots_key_major::<S, KV, R, KEYS>(kp, q, dp, dfull)
             } else {
                 // Walking KEYS rows side by side hides K from the hardware prefetchers, so the
                 // K and V rows PF keys ahead are requested explicitly, in address order (PF = 0:
@@ -384,7 +393,7 @@ unsafe fn scores<S: Simd, const R: usize, const KEYS: usize, const KM: bool, con
                 };
                 let kpf = Lines::new(a.k.wrapping_add(jp * a.ldk), a.ldk, d, npf);
                 let vpf = Lines::new(a.v.wrapping_add(jp * a.ldv), a.ldv, a.dv, npf);
-                dots_chunk_major::<S, R, KEYS>(kp, q, dp, dfull, kpf, vpf)
+                dots_chunk_major::<S, KV, R, KEYS>(kp, q, dp, dfull, kpf, vpf)
             };
             let mut regs = [S::splat(0.0); 16];
             for r in 0..R {
@@ -398,7 +407,7 @@ unsafe fn scores<S: Simd, const R: usize, const KEYS: usize, const KM: bool, con
                     let kp = a.k.add((jb + jj + k) * a.ldk);
                     let mut x = sums[r * KEYS + k];
                     for p in dfull..d {
-                        x += *q.add(r * dp + p) * *kp.add(p);
+                        x += *q.add(r * dp + p) * get(kp.add(p));
                     }
                     *s.add(r * KB + jj + k) = x;
                 }
@@ -415,8 +424,8 @@ unsafe fn scores<S: Simd, const R: usize, const KEYS: usize, const KM: bool, con
 /// # Safety
 /// `kp[k]` readable for `dfull` floats; `q` for R rows of stride `dp`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn dots_key_major<S: Simd, const R: usize, const KEYS: usize>(
-    kp: [*const f32; KEYS],
+unsafe fn dots_key_major<S: Simd, KV: Elem, const R: usize, const KEYS: usize>(
+    kp: [*const KV; KEYS],
     q: *const f32,
     dp: usize,
     dfull: usize,
@@ -428,7 +437,7 @@ unsafe fn dots_key_major<S: Simd, const R: usize, const KEYS: usize>(
         for (k, &p) in kp.iter().enumerate() {
             let mut c = 0;
             while c < dfull {
-                let kv = S::load(p.add(c));
+                let kv = S::load_as(p.add(c));
                 for (r, accr) in acc.iter_mut().enumerate() {
                     accr[k] = S::fma(S::load(q.add(r * dp + c)), kv, accr[k]);
                 }
@@ -445,8 +454,8 @@ unsafe fn dots_key_major<S: Simd, const R: usize, const KEYS: usize>(
 /// # Safety
 /// As [`dots_key_major`].
 #[inline(always)]
-unsafe fn dots_chunk_major<S: Simd, const R: usize, const KEYS: usize>(
-    kp: [*const f32; KEYS],
+unsafe fn dots_chunk_major<S: Simd, KV: Elem, const R: usize, const KEYS: usize>(
+    kp: [*const KV; KEYS],
     q: *const f32,
     dp: usize,
     dfull: usize,
@@ -465,7 +474,7 @@ unsafe fn dots_chunk_major<S: Simd, const R: usize, const KEYS: usize>(
             vpf.next(per_v);
             let mut kv = [S::splat(0.0); KEYS];
             for (x, p) in kv.iter_mut().zip(kp) {
-                *x = S::load(p.add(c));
+                *x = S::load_as(p.add(c));
             }
             for (r, accr) in acc.iter_mut().enumerate() {
                 let qv = S::load(q.add(r * dp + c));
@@ -487,8 +496,8 @@ unsafe fn dots_chunk_major<S: Simd, const R: usize, const KEYS: usize>(
 /// # Safety
 /// Row bias/mask pointers valid for keys `< jb + nk`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn softmax_block<S: SimdDiv, const R: usize>(
-    rows: &[DecodeRow],
+unsafe fn softmax_block<S: SimdDiv, Q: Elem, const R: usize>(
+    rows: &[DecodeRow<Q>],
     jb: usize,
     nk: usize,
     sbuf: &mut [f32],
@@ -544,8 +553,8 @@ unsafe fn softmax_block<S: SimdDiv, const R: usize>(
 }
 
 /// One key block of V for [`pv_rows`]: rows `v + jj*ldv`, `jj < nk`.
-struct PvBlock {
-    v: *const f32,
+struct PvBlock<KV> {
+    v: *const KV,
     ldv: usize,
     dv: usize,
     dvp: usize,
@@ -560,8 +569,8 @@ struct PvBlock {
 /// `blk` describes readable V rows; `p` readable for `G` rows of `nk` weights (stride
 /// [`DECODE_KEY_BLOCK`]); `o` writable for `G` rows of `dvp` floats; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn pv_rows<S: Simd, const G: usize, const NC: usize>(
-    blk: &PvBlock,
+unsafe fn pv_rows<S: Simd, KV: Elem, const G: usize, const NC: usize>(
+    blk: &PvBlock<KV>,
     p: *const f32,
     o: *mut f32,
 ) {
@@ -589,14 +598,14 @@ unsafe fn pv_rows<S: Simd, const G: usize, const NC: usize>(
                 }
                 if full_pass {
                     for cb in 0..NC {
-                        let vv = S::load(vrow.add(cb * w));
+                        let vv = S::load_as(vrow.add(cb * w));
                         for g in 0..G {
                             acc[g][cb] = S::fma(pr[g], vv, acc[g][cb]);
                         }
                     }
                 } else {
                     for cb in 0..nc {
-                        let vv = S::load(vrow.add(cb * w));
+                        let vv = S::load_as(vrow.add(cb * w));
                         for g in 0..G {
                             acc[g][cb] = S::fma(pr[g], vv, acc[g][cb]);
                         }
@@ -615,7 +624,7 @@ unsafe fn pv_rows<S: Simd, const G: usize, const NC: usize>(
             for g in 0..G {
                 let pw = *p.add(g * KB + jj);
                 for c in dvfull..blk.dv {
-                    *o.add(g * blk.dvp + c) += pw * *vp.add(c);
+                    *o.add(g * blk.dvp + c) += pw * get(vp.add(c));
                 }
             }
         }
@@ -627,8 +636,8 @@ unsafe fn pv_rows<S: Simd, const G: usize, const NC: usize>(
 /// # Safety
 /// As [`decode_rows`].
 #[inline(always)]
-pub(crate) unsafe fn decode<S: SimdDiv>(
-    a: &DecodeArgs,
+pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Elem>(
+    a: &DecodeArgs<Q, KV>,
     partial: *mut f32,
     ldp: usize,
     scratch: &mut [f32],
@@ -654,7 +663,7 @@ pub(crate) unsafe fn decode<S: SimdDiv>(
                     }
                 };
                 (@ $r:literal, ($k:literal, $km:literal, $rg:literal, $nc:literal, $pf:expr)) => {
-                    decode_rows::<S, $r, $k, $km, $rg, $nc, { $pf }>(&sub, p, ldp, scratch)
+                    decode_rows::<S, Q, KV, $r, $k, $km, $rg, $nc, { $pf }>(&sub, p, ldp, scratch)
                 };
             }
             const S: usize = PF_STREAMS;

@@ -13,6 +13,7 @@
 //! Scores are kept in base-2 units: Q̂ is Q pre-multiplied by `scale·log2(e)`, so the exponent is
 //! a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
 
+use crate::elem::{as_f32, get, Elem};
 use crate::gemm::{Accum, Tiles};
 use crate::score::{finish, ScoreSpec};
 use crate::simd::{aligned, exp2, Simd, SimdDiv, ALIGN_SLACK};
@@ -21,9 +22,10 @@ const LOG2E: f32 = core::f32::consts::LOG2_E;
 const LN2: f32 = core::f32::consts::LN_2;
 
 /// Everything the fused kernel needs for one (batch, head, query block). Pointers are raw
-/// because the output rows of different blocks interleave in memory (BLHD layout).
+/// because the output rows of different blocks interleave in memory (BLHD layout). Q is read as
+/// `Q` and K, V as `KV` (any [`Elem`], widened to f32 on load); everything computed is f32.
 #[derive(Clone, Copy, Debug)]
-pub struct FlashArgs {
+pub struct FlashArgs<Q: Elem = f32, KV: Elem = f32> {
     /// Query rows in this block.
     pub m: usize,
     /// Keys in the sequence (the key/value row count).
@@ -38,15 +40,15 @@ pub struct FlashArgs {
     /// first row in the query sequence and its bias/mask pointers address that row.
     pub spec: ScoreSpec,
     /// Q rows: element `(r, p)` at `q + r*ldq + p`.
-    pub q: *const f32,
+    pub q: *const Q,
     /// Row stride of Q.
     pub ldq: usize,
     /// K rows: element `(j, p)` at `k + j*ldk + p`.
-    pub k: *const f32,
+    pub k: *const KV,
     /// Row stride of K.
     pub ldk: usize,
     /// V rows: element `(j, c)` at `v + j*ldv + c`.
-    pub v: *const f32,
+    pub v: *const KV,
     /// Row stride of V.
     pub ldv: usize,
     /// Output rows: element `(r, c)` at `o + r*ldo + c`; only `c < dv` is written.
@@ -93,7 +95,10 @@ pub fn scratch_len(m: usize, d: usize, dv: usize) -> usize {
 /// overlap each other or any input; `scratch.len() ≥ scratch_len(m, d, dv)`; the ISA of `S` is
 /// enabled on this CPU.
 #[inline(always)]
-pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f32]) {
+pub(crate) unsafe fn forward<S: Tiles + SimdDiv, Q: Elem, KV: Elem>(
+    a: &FlashArgs<Q, KV>,
+    scratch: &mut [f32],
+) {
     let FlashArgs { m, d, dv, .. } = *a;
     if m == 0 {
         return;
@@ -134,7 +139,7 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
                 row[m8..].fill(0.0);
             }
         }
-        transpose_scaled::<S, false, true>(a.q, a.ldq, m, d, qt.as_mut_ptr(), mp, |_| qscale);
+        transpose_scaled::<S, Q, false, true>(a.q, a.ldq, m, d, qt.as_mut_ptr(), mp, |_| qscale);
         mrow.fill(f32::NEG_INFINITY);
         lrow.fill(0.0);
 
@@ -186,7 +191,7 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
                 Accum::Replace,
             );
             // Lanes < u·W of `s` are stale; the causal fill of `mask_block` sets them to −inf.
-            mask_block::<S>(a, j0, nb, mp, s);
+            mask_block::<S, Q, KV>(a, j0, nb, mp, s);
             let rescale = online_softmax::<S>(s, nb, mp, mrow, lrow, alpha);
             if first && j0 + nb == kmax && dv % w == 0 {
                 // The only key block (short sequences): O = diag(1/l)·P·V straight into the
@@ -245,7 +250,7 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
         // is overwritten below.
         if !first && !direct {
             normalisers::<S>(mrow, lrow, sink2, tmp);
-            transpose_scaled::<S, true, false>(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
+            transpose_scaled::<S, f32, true, false>(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
         }
         for (r, &l) in lrow[..m].iter().enumerate() {
             if l == 0.0 {
@@ -292,8 +297,8 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(a: &FlashArgs, scratch: &mut [f
 /// `src` readable and `dst` writable at the given extents and strides, rounded up to a multiple
 /// of 8 on the wide sides; no overlap.
 #[inline(always)]
-unsafe fn transpose_scaled<S: Simd, const WIDE_SRC: bool, const WIDE_DST: bool>(
-    src: *const f32,
+unsafe fn transpose_scaled<S: Simd, E: Elem, const WIDE_SRC: bool, const WIDE_DST: bool>(
+    src: *const E,
     lds: usize,
     rows: usize,
     cols: usize,
@@ -301,6 +306,10 @@ unsafe fn transpose_scaled<S: Simd, const WIDE_SRC: bool, const WIDE_DST: bool>(
     ldd: usize,
     k: impl Fn(usize) -> f32,
 ) {
+    let Some(src) = as_f32(src) else {
+        // SAFETY: forwarded contract.
+        return unsafe { transpose_widened::<E, WIDE_DST>(src, lds, rows, cols, dst, ldd, k) };
+    };
     // SAFETY: per the contract above; every block is clipped to `rows × cols`.
     unsafe {
         for c0 in (0..cols).step_by(8) {
@@ -319,13 +328,50 @@ unsafe fn transpose_scaled<S: Simd, const WIDE_SRC: bool, const WIDE_DST: bool>(
     }
 }
 
+/// [`transpose_scaled`] element by element, widening each value: the path of types without a
+/// shuffle transpose (their packing is `O(m·d)` per query block against `O(m·n·d)` of products).
+///
+/// # Safety
+/// As [`transpose_scaled`].
+#[inline(always)]
+unsafe fn transpose_widened<E: Elem, const WIDE_DST: bool>(
+    src: *const E,
+    lds: usize,
+    rows: usize,
+    cols: usize,
+    dst: *mut f32,
+    ldd: usize,
+    k: impl Fn(usize) -> f32,
+) {
+    let padded = if WIDE_DST { rows.div_ceil(8) * 8 } else { rows };
+    // SAFETY: reads `< rows × cols` of `src`; writes rows `< cols` of `dst`, lanes `< padded`
+    // (the wide side's rounding, per the contract).
+    unsafe {
+        for c in 0..cols {
+            let kc = k(c);
+            for r in 0..rows {
+                *dst.add(c * ldd + r) = get(src.add(r * lds + c)) * kc;
+            }
+            for r in rows..padded {
+                *dst.add(c * ldd + r) = 0.0;
+            }
+        }
+    }
+}
+
 /// Applies the score spec to a score block `Sᵀ[nb × mp]` starting at key `j0`, and copies the
 /// resulting base-2 logits to the weights if asked.
 ///
 /// # Safety
 /// As [`forward`].
 #[inline(always)]
-unsafe fn mask_block<S: SimdDiv>(a: &FlashArgs, j0: usize, nb: usize, mp: usize, s: &mut [f32]) {
+unsafe fn mask_block<S: SimdDiv, Q: Elem, KV: Elem>(
+    a: &FlashArgs<Q, KV>,
+    j0: usize,
+    nb: usize,
+    mp: usize,
+    s: &mut [f32],
+) {
     let spec = &a.spec;
     if spec.is_bare() && a.weights.is_null() {
         // Visibility alone: a loop over the keys doing nothing was 5 % of small calls, and a

@@ -16,6 +16,7 @@
 //! ```
 //! AVX2 and the portable path use MR = 6 / 4, NV = 2 (12 / 8 accumulators of 16 ymm).
 
+use crate::elem::{get, Elem};
 use crate::simd::Simd;
 
 /// How a tile treats the existing contents of C.
@@ -33,13 +34,13 @@ pub(crate) enum Accum {
 /// `a` is readable at `i*rsa + p*csa` and `b` at `p*ldb + [0, NV·W)` for `i < MR`, `p < kc`; `c` is
 /// readable (for `Add`) and writable at `i*ldc + [0, NV·W)`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
+unsafe fn tile<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
     kc: usize,
     chain: usize,
-    a: *const f32,
+    a: *const A,
     rsa: usize,
     csa: usize,
-    b: *const f32,
+    b: *const B,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -63,10 +64,10 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
             for p in p0..p1 {
                 let mut bv = [S::splat(0.0); NV];
                 for v in 0..NV {
-                    bv[v] = S::load(b.add(p * ldb + v * S::W));
+                    bv[v] = S::load_as(b.add(p * ldb + v * S::W));
                 }
                 for i in 0..MR {
-                    let ai = S::splat(*a.add(i * rsa + p * csa));
+                    let ai = S::splat(get(a.add(i * rsa + p * csa)));
                     for v in 0..NV {
                         r[i][v] = S::fma(ai, bv[v], r[i][v]);
                     }
@@ -95,14 +96,14 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
 /// One column panel (NV vectors wide) over all `m` rows: full MR-row tiles, then one shorter
 /// tile. The panel of B (`kc × NV·W`) stays in L1 while the rows of A stream past it.
 #[inline(always)]
-unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
+unsafe fn panel<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
     m: usize,
     kc: usize,
     chain: usize,
-    a: *const f32,
+    a: *const A,
     rsa: usize,
     csa: usize,
-    b: *const f32,
+    b: *const B,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -112,7 +113,7 @@ unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
     // SAFETY: each tile stays inside the `m` rows the caller vouched for.
     unsafe {
         while i + MR <= m {
-            tile::<S, MR, NV>(
+            tile::<S, A, B, MR, NV>(
                 kc,
                 chain,
                 a.add(i * rsa),
@@ -129,33 +130,34 @@ unsafe fn panel<S: Simd, const MR: usize, const NV: usize>(
         let (a, c) = (a.add(i * rsa), c.add(i * ldc));
         match m - i {
             0 => {}
-            1 => tile::<S, 1, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            2 => tile::<S, 2, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            3 => tile::<S, 3, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            4 => tile::<S, 4, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            5 => tile::<S, 5, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            6 => tile::<S, 6, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            7 => tile::<S, 7, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            1 => tile::<S, A, B, 1, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            2 => tile::<S, A, B, 2, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            3 => tile::<S, A, B, 3, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            4 => tile::<S, A, B, 4, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            5 => tile::<S, A, B, 5, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            6 => tile::<S, A, B, 6, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            7 => tile::<S, A, B, 7, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
             _ => unreachable!("MR is at most 8"),
         }
     }
 }
 
 /// `C[m × nvec·W] (+)= A[m × kc] · B[kc × nvec·W]`, covered by NV-wide column panels. A is read by
-/// broadcast at `a[i·rsa + p·csa]` (any strides: K or Vᵀ in place); B and C are row-major.
+/// broadcast at `a[i·rsa + p·csa]` (any strides: K or Vᵀ in place); B and C are row-major. A and
+/// B may be any [`Elem`] (widened as they are read); C is f32.
 ///
 /// # Safety
 /// As [`tile`], for all `m` rows and `nvec·W` columns; `NV ≤ 4`, `MR ≤ 8`.
 #[inline(always)]
-pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NV: usize>(
+pub(crate) unsafe fn gemm<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
     m: usize,
     nvec: usize,
     kc: usize,
     chain: usize,
-    a: *const f32,
+    a: *const A,
     rsa: usize,
     csa: usize,
-    b: *const f32,
+    b: *const B,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -166,7 +168,7 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NV: usize>(
     unsafe {
         while v0 + NV <= nvec {
             let off = v0 * S::W;
-            panel::<S, MR, NV>(
+            panel::<S, A, B, MR, NV>(
                 m,
                 kc,
                 chain,
@@ -185,9 +187,9 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NV: usize>(
         let (b, c) = (b.add(off), c.add(off));
         match nvec - v0 {
             0 => {}
-            1 => panel::<S, MR, 1>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            2 => panel::<S, MR, 2>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            3 => panel::<S, MR, 3>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            1 => panel::<S, A, B, MR, 1>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            2 => panel::<S, A, B, MR, 2>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            3 => panel::<S, A, B, MR, 3>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
             _ => unreachable!("NV is at most 4"),
         }
     }
@@ -199,15 +201,15 @@ pub(crate) trait Tiles: Simd {
     ///
     /// # Safety
     /// As [`gemm`].
-    unsafe fn block(
+    unsafe fn block<A: Elem, B: Elem>(
         m: usize,
         nvec: usize,
         kc: usize,
         chain: usize,
-        a: *const f32,
+        a: *const A,
         rsa: usize,
         csa: usize,
-        b: *const f32,
+        b: *const B,
         ldb: usize,
         c: *mut f32,
         ldc: usize,
@@ -219,15 +221,15 @@ macro_rules! tiles {
     ($t:ty, $mr:literal, $nv:literal) => {
         impl Tiles for $t {
             #[inline(always)]
-            unsafe fn block(
+            unsafe fn block<A: Elem, B: Elem>(
                 m: usize,
                 nvec: usize,
                 kc: usize,
                 chain: usize,
-                a: *const f32,
+                a: *const A,
                 rsa: usize,
                 csa: usize,
-                b: *const f32,
+                b: *const B,
                 ldb: usize,
                 c: *mut f32,
                 ldc: usize,
@@ -235,7 +237,7 @@ macro_rules! tiles {
             ) {
                 // SAFETY: forwarded contract.
                 unsafe {
-                    gemm::<$t, $mr, $nv>(m, nvec, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc)
+                    gemm::<$t, A, B, $mr, $nv>(m, nvec, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc)
                 }
             }
         }
@@ -253,15 +255,15 @@ tiles!(crate::x86_64::avx512::Avx512, 8, 3);
 /// # Safety
 /// As [`gemm`].
 #[inline(always)]
-pub(crate) unsafe fn block<S: Tiles>(
+pub(crate) unsafe fn block<S: Tiles, A: Elem, B: Elem>(
     m: usize,
     nvec: usize,
     kc: usize,
     chain: usize,
-    a: *const f32,
+    a: *const A,
     rsa: usize,
     csa: usize,
-    b: *const f32,
+    b: *const B,
     ldb: usize,
     c: *mut f32,
     ldc: usize,

@@ -4,6 +4,11 @@
 //! (or the one `ATTNKIT_ISA` forces). Each kernel has a naive f64 twin in [`mod@reference`], the spec
 //! that tests compare every ISA against. Shapes are not validated here beyond `debug_assert!`s
 //! and the checks each safe function documents: the `attnkit` crate validates user input first.
+//!
+//! The flash and decode kernels read their operands as any [`Elem`] (`f32`, [`bf16`], [`f16`]),
+//! widened on load, and compute in f32: [`flash_forward`] and [`decode_partial`] are the f32
+//! instances (compiled here), [`flash_forward_as`] and [`decode_partial_as`] the generic entry
+//! points (compiled where they are used).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
@@ -14,6 +19,7 @@
 
 mod additive;
 mod decode;
+mod elem;
 mod flash;
 mod gemm;
 mod heads;
@@ -28,7 +34,9 @@ pub use decode::{
     decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk,
     DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
 };
+pub use elem::{Dtype, Elem};
 pub use flash::{key_block, scratch_len, FlashArgs};
+pub use half::{bf16, f16};
 pub use heads::{merge_heads, split_heads};
 pub use isa::{Isa, IsaError};
 pub use score::{visible_range, Alibi, CausalOffset, ScoreSpec};
@@ -36,30 +44,31 @@ pub use score::{visible_range, Alibi, CausalOffset, ScoreSpec};
 use gemm::Accum;
 use simd::Portable;
 
-/// Defines `$name(isa, args…)`, which runs the generic kernel `$gm::$gf::<S>(args…)` with `S` the
-/// vector token of `isa`, inside a function compiled for that ISA (`#[target_feature]` on the
-/// per-ISA entry only; everything below it is `#[inline(always)]`).
+/// Defines `$name(isa, args…)`, which runs the generic kernel `$gm::$gf::<S, G…>(args…)` with `S`
+/// the vector token of `isa` and `G…` the function's own type parameters (the operand element
+/// types), inside a function compiled for that ISA (`#[target_feature]` on the per-ISA entry
+/// only; everything below it is `#[inline(always)]`).
 macro_rules! isa_fn {
-    ($name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $gm:ident :: $gf:ident) => {
+    ($name:ident $(<$($g:ident),*>)? ($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $gm:ident :: $gf:ident) => {
         /// # Safety
         /// `isa.is_supported()` and the contract of the generic kernel.
-        unsafe fn $name(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
+        unsafe fn $name$(<$($g: Elem),*>)?(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
             debug_assert!(isa.is_supported(), "{isa} is not supported on this CPU");
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+            unsafe fn avx2$(<$($g: Elem),*>)?($($arg: $ty),*) $(-> $ret)? {
                 // SAFETY: forwarded contract; AVX2+FMA enabled by the caller's check.
-                unsafe { $gm::$gf::<x86_64::avx2::Avx2>($($arg),*) }
+                unsafe { $gm::$gf::<x86_64::avx2::Avx2 $($(, $g)*)?>($($arg),*) }
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f")]
-            unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+            unsafe fn avx512$(<$($g: Elem),*>)?($($arg: $ty),*) $(-> $ret)? {
                 // SAFETY: forwarded contract; AVX-512F enabled by the caller's check.
-                unsafe { $gm::$gf::<x86_64::avx512::Avx512>($($arg),*) }
+                unsafe { $gm::$gf::<x86_64::avx512::Avx512 $($(, $g)*)?>($($arg),*) }
             }
             match isa {
                 // SAFETY: the portable path needs no CPU feature; forwarded contract.
-                Isa::Scalar => unsafe { $gm::$gf::<Portable>($($arg),*) },
+                Isa::Scalar => unsafe { $gm::$gf::<Portable $($(, $g)*)?>($($arg),*) },
                 // SAFETY: forwarded contract (`isa.is_supported()`).
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => unsafe { avx2($($arg),*) },
@@ -73,12 +82,12 @@ macro_rules! isa_fn {
     };
 }
 
-isa_fn!(flash_isa(args: &FlashArgs, scratch: &mut [f32]) => flash::forward);
-isa_fn!(decode_isa(args: &DecodeArgs, partial: *mut f32, ldp: usize, scratch: &mut [f32]) => decode::decode);
+isa_fn!(flash_isa<Q, KV>(args: &FlashArgs<Q, KV>, scratch: &mut [f32]) => flash::forward);
+isa_fn!(decode_isa<Q, KV>(args: &DecodeArgs<Q, KV>, partial: *mut f32, ldp: usize, scratch: &mut [f32]) => decode::decode);
 isa_fn!(softmax_isa(x: &mut [f32], sink: f32) => flash::softmax);
 isa_fn!(apply_row_isa(spec: &ScoreSpec, r: usize, j0: usize, x: &mut [f32], u: f32) => score::apply_row);
 isa_fn!(exp_scale_isa(x: &mut [f32], m: f32, k: f32) => flash::exp_scale);
-isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, chain: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32,
+isa_fn!(block_isa<A, B>(m: usize, nvec: usize, kc: usize, chain: usize, a: *const A, rsa: usize, csa: usize, b: *const B,
     ldb: usize, c: *mut f32, ldc: usize, acc: Accum) => gemm::block);
 
 /// Fused attention forward for one block of query rows of one head (see [`FlashArgs`]).
@@ -94,6 +103,21 @@ isa_fn!(block_isa(m: usize, nvec: usize, kc: usize, chain: usize, a: *const f32,
 ///   written concurrently;
 /// * `key_len ≤ n`; `scratch.len() ≥ scratch_len(m, d, dv)`.
 pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe { flash_forward_as(isa, args, scratch) }
+}
+
+/// [`flash_forward`] with Q read as `Q` and K, V as `KV` (widened to f32 on load; the rest is
+/// the same kernel). Generic, so each pair of types is compiled in the crate that uses it;
+/// [`flash_forward`] is the f32 instance, compiled here once.
+///
+/// # Safety
+/// As [`flash_forward`].
+pub unsafe fn flash_forward_as<Q: Elem, KV: Elem>(
+    isa: Isa,
+    args: &FlashArgs<Q, KV>,
+    scratch: &mut [f32],
+) {
     assert!(
         scratch.len() >= scratch_len(args.m, args.d, args.dv),
         "flash scratch too short"
@@ -114,6 +138,23 @@ pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
 pub unsafe fn decode_partial(
     isa: Isa,
     args: &DecodeArgs,
+    partial: *mut f32,
+    ldp: usize,
+    scratch: &mut [f32],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { decode_partial_as(isa, args, partial, ldp, scratch) }
+}
+
+/// [`decode_partial`] with the queries read as `Q` and K, V as `KV` (widened to f32 on load).
+/// Generic, so each pair of types is compiled in the crate that uses it; [`decode_partial`] is
+/// the f32 instance, compiled here once.
+///
+/// # Safety
+/// As [`decode_partial`].
+pub unsafe fn decode_partial_as<Q: Elem, KV: Elem>(
+    isa: Isa,
+    args: &DecodeArgs<Q, KV>,
     partial: *mut f32,
     ldp: usize,
     scratch: &mut [f32],

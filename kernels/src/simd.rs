@@ -2,6 +2,9 @@
 //! per-ISA entry points carry `#[target_feature]`, everything here is `#[inline(always)]` so it is
 //! compiled with the caller's features (the memchr / pulp pattern).
 
+use crate::elem::{get, Dtype, Elem};
+use half::{bf16, f16};
+
 /// One SIMD register of f32 lanes. All methods are `unsafe`: the caller guarantees that the CPU
 /// supports the ISA of the implementing type and that pointers are valid for `W` lanes.
 pub(crate) trait Simd: Copy {
@@ -12,6 +15,32 @@ pub(crate) trait Simd: Copy {
 
     unsafe fn splat(x: f32) -> Self::V;
     unsafe fn load(p: *const f32) -> Self::V;
+    /// `W` values of any operand type at `p`, widened to f32: the one load generic kernels use
+    /// for Q, K and V.
+    #[inline(always)]
+    unsafe fn load_as<E: Elem>(p: *const E) -> Self::V {
+        // SAFETY: forwarded contract; `DTYPE` names the type behind `p` (the trait is sealed and
+        // each impl states its own), so each cast reads the type that is there.
+        unsafe {
+            match E::DTYPE {
+                Dtype::F32 => Self::load(p.cast()),
+                Dtype::Bf16 => Self::load_bf16(p.cast()),
+                Dtype::F16 => Self::load_f16(p.cast()),
+            }
+        }
+    }
+    /// `W` bf16 values widened; the default goes through memory.
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const bf16) -> Self::V {
+        // SAFETY: forwarded contract.
+        unsafe { load_widened::<Self, bf16>(p) }
+    }
+    /// `W` f16 values widened; the default goes through memory.
+    #[inline(always)]
+    unsafe fn load_f16(p: *const f16) -> Self::V {
+        // SAFETY: forwarded contract.
+        unsafe { load_widened::<Self, f16>(p) }
+    }
     unsafe fn store(p: *mut f32, v: Self::V);
     /// `a * b + c`, fused where the ISA has it.
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
@@ -103,6 +132,22 @@ pub(crate) trait Simd: Copy {
     unsafe fn exp2(x: Self::V) -> Self::V {
         // SAFETY: forwarded contract.
         unsafe { exp2_generic::<Self>(x) }
+    }
+}
+
+/// `S::W` values at `p` widened one by one into a buffer, then loaded.
+///
+/// # Safety
+/// `S::W` values readable at `p`; the ISA of `S` is enabled.
+#[inline(always)]
+unsafe fn load_widened<S: Simd, E: Elem>(p: *const E) -> S::V {
+    let mut t = [0.0f32; 16];
+    // SAFETY: forwarded contract; `t` holds `W ≤ 16` lanes.
+    unsafe {
+        for (i, x) in t.iter_mut().enumerate().take(S::W) {
+            *x = get(p.add(i));
+        }
+        S::load(t.as_ptr())
     }
 }
 
@@ -353,7 +398,7 @@ pub(crate) fn aligned(buf: &mut [f32]) -> &mut [f32] {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Whatever the start of the buffer, `aligned` starts on a 64-byte boundary and loses at
@@ -473,7 +518,32 @@ mod tests {
         }
     }
 
-    unsafe fn check_all<S: Simd>(name: &str) {
+    /// `load_bf16` / `load_f16` on `S` against the scalar widening, over values that cover
+    /// normals, subnormals, zeros, infinities and NaN.
+    unsafe fn check_loads<S: Simd>(name: &str) {
+        let bits: Vec<u16> = (0..4096u32).map(|i| (i * 16 + i / 256) as u16).collect();
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        for chunk in bits.chunks_exact(S::W) {
+            let b: Vec<bf16> = chunk.iter().map(|&x| bf16::from_bits(x)).collect();
+            let h: Vec<f16> = chunk.iter().map(|&x| f16::from_bits(x)).collect();
+            let (mut gb, mut gh) = ([0.0f32; 16], [0.0f32; 16]);
+            // SAFETY: the caller checked the ISA; each buffer holds W lanes.
+            unsafe {
+                S::store(gb.as_mut_ptr(), S::load_bf16(b.as_ptr()));
+                S::store(gh.as_mut_ptr(), S::load_f16(h.as_ptr()));
+            }
+            for i in 0..S::W {
+                assert!(same(gb[i], b[i].to_f32()), "{name}: bf16 {:#x}", chunk[i]);
+                assert!(same(gh[i], h[i].to_f32()), "{name}: f16 {:#x}", chunk[i]);
+            }
+        }
+    }
+
+    /// Every check of this module on `S`.
+    ///
+    /// # Safety
+    /// The ISA of `S` is enabled.
+    pub(crate) unsafe fn check_all<S: Simd>(name: &str) {
         // SAFETY: forwarded.
         unsafe {
             check_hsums::<S>(name);
@@ -482,37 +552,13 @@ mod tests {
             check_transpose8_part::<S, false, false>(name);
             check_transpose8_part::<S, true, false>(name);
             check_transpose8_part::<S, false, true>(name);
+            check_loads::<S>(name);
         }
     }
 
     #[test]
-    fn hsums_and_transpose8_every_isa() {
-        // SAFETY: portable needs nothing; the others run only where detected.
-        unsafe {
-            check_all::<Portable>("portable");
-            #[cfg(target_arch = "x86_64")]
-            {
-                if crate::Isa::Avx2.is_supported() {
-                    hsums_avx2();
-                }
-                if crate::Isa::Avx512.is_supported() {
-                    hsums_avx512();
-                }
-            }
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsums_avx2() {
-        // SAFETY: AVX2+FMA enabled here and checked by the caller.
-        unsafe { check_all::<crate::x86_64::avx2::Avx2>("avx2") }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn hsums_avx512() {
-        // SAFETY: AVX-512F enabled here and checked by the caller.
-        unsafe { check_all::<crate::x86_64::avx512::Avx512>("avx512") }
+    fn vector_primitives_portable() {
+        // SAFETY: the portable path needs no CPU feature.
+        unsafe { check_all::<Portable>("portable") }
     }
 }

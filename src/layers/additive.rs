@@ -34,7 +34,7 @@ pub struct AdditiveOptions<'a> {
     pub need_weights: bool,
     /// Return the scores the softmax sees `(B, Lq, Lk)` (`−inf` where masked).
     pub need_scores: bool,
-    /// SIMD path; `None` = [`Isa::detect`].
+    /// Instruction set; `None` = [`Isa::detect`].
     pub isa: Option<Isa>,
     /// Threading.
     pub par: Par,
@@ -63,7 +63,7 @@ impl<'a> AdditiveOptions<'a> {
         self.need_scores = scores;
         self
     }
-    /// Forces a SIMD path.
+    /// Forces an instruction set.
     pub fn isa(mut self, isa: Isa) -> Self {
         self.isa = Some(isa);
         self

@@ -25,6 +25,15 @@ impl Simd for Avx2 {
         unsafe { _mm256_loadu_ps(p) }
     }
     #[inline(always)]
+    unsafe fn load_bf16(p: *const half::bf16) -> __m256 {
+        // SAFETY: see the impl comment (8 values of 2 bytes at `p`). bf16 is the top half of an
+        // f32: zero-extend each to 32 bits and shift it into place.
+        unsafe {
+            let h = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+    #[inline(always)]
     unsafe fn store(p: *mut f32, v: __m256) {
         // SAFETY: see the impl comment.
         unsafe { _mm256_storeu_ps(p, v) }

@@ -25,6 +25,21 @@ impl Simd for Avx512 {
         unsafe { _mm512_loadu_ps(p) }
     }
     #[inline(always)]
+    unsafe fn load_bf16(p: *const half::bf16) -> __m512 {
+        // SAFETY: see the impl comment (16 values of 2 bytes at `p`). bf16 is the top half of an
+        // f32: zero-extend each to 32 bits and shift it into place.
+        unsafe {
+            let h = _mm256_loadu_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const half::f16) -> __m512 {
+        // SAFETY: see the impl comment (16 values of 2 bytes at `p`); `vcvtph2ps` on zmm is
+        // AVX-512F.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+    #[inline(always)]
     unsafe fn store(p: *mut f32, v: __m512) {
         // SAFETY: see the impl comment.
         unsafe { _mm512_storeu_ps(p, v) }

@@ -116,3 +116,32 @@ pub(crate) unsafe fn transpose8_regs(r: &[__m256; 8]) -> [__m256; 8] {
         cols
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::simd::tests::check_all;
+
+    #[test]
+    fn vector_primitives_every_x86_isa() {
+        if crate::Isa::Avx2.is_supported() {
+            // SAFETY: AVX2+FMA detected.
+            unsafe { avx2() }
+        }
+        if crate::Isa::Avx512.is_supported() {
+            // SAFETY: AVX-512F detected.
+            unsafe { avx512() }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2() {
+        // SAFETY: AVX2+FMA enabled here and checked by the caller.
+        unsafe { check_all::<super::avx2::Avx2>("avx2") }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn avx512() {
+        // SAFETY: AVX-512F enabled here and checked by the caller.
+        unsafe { check_all::<super::avx512::Avx512>("avx512") }
+    }
+}

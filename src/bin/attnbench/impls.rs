@@ -7,7 +7,9 @@
 use crate::cases::Case;
 use attnkit::kernels::reference;
 use attnkit::unfused::{sdpa_unfused_with, Backend};
-use attnkit::{choose_path, sdpa, AlignedBuf, Causal, Isa, Path, SdpaOptions, Tensor, TensorMut};
+use attnkit::{
+    choose_kernel, sdpa, AlignedBuf, Causal, Isa, Kernel, SdpaOptions, Tensor, TensorMut,
+};
 
 /// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed, each buffer starting on a
 /// cache line (as PyTorch's allocator places tensors).
@@ -194,7 +196,7 @@ fn options(case: &Case, isa: Isa) -> SdpaOptions<'static> {
 
 /// `attnkit::sdpa`: the fused kernels on the current rayon pool, the path chosen from the shape
 /// (`fused`) or forced (`fused-prefill`, `fused-decode`).
-struct Fused(&'static str, Path);
+struct Fused(&'static str, Kernel);
 
 impl Impl for Fused {
     fn name(&self) -> &'static str {
@@ -202,8 +204,8 @@ impl Impl for Fused {
     }
     fn isa_label(&self, isa: Isa, case: &Case) -> String {
         let (qs, ks) = shapes(case);
-        let path = choose_path(qs, ks, &options(case, isa).path(self.1));
-        let path = if path == Path::Decode {
+        let path = choose_kernel(qs, ks, &options(case, isa).kernel(self.1));
+        let path = if path == Kernel::Decode {
             "decode"
         } else {
             "prefill"
@@ -212,7 +214,7 @@ impl Impl for Fused {
     }
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
         let (q, k, v, mut o) = views(case, inp, out);
-        sdpa(&q, &k, &v, &mut o, &options(case, isa).path(self.1)).expect("sdpa failed");
+        sdpa(&q, &k, &v, &mut o, &options(case, isa).kernel(self.1)).expect("sdpa failed");
     }
 }
 
@@ -332,9 +334,9 @@ impl Impl for ReadKv {
 /// The implementation called `name`, `Err(reason)` when this build or this crate cannot run it.
 pub fn by_name(name: &str, naive_max_macs: f64) -> Result<Box<dyn Impl>, String> {
     match name {
-        "fused" => Ok(Box::new(Fused("fused", Path::Auto))),
-        "fused-prefill" => Ok(Box::new(Fused("fused-prefill", Path::Prefill))),
-        "fused-decode" => Ok(Box::new(Fused("fused-decode", Path::Decode))),
+        "fused" => Ok(Box::new(Fused("fused", Kernel::Auto))),
+        "fused-prefill" => Ok(Box::new(Fused("fused-prefill", Kernel::Prefill))),
+        "fused-decode" => Ok(Box::new(Fused("fused-decode", Kernel::Decode))),
         "read-kv" => Ok(Box::new(ReadKv)),
         "unfused-mm" => Ok(Box::new(Unfused("unfused-mm", Backend::MatrixMultiply))),
         #[cfg(feature = "blas")]

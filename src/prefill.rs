@@ -1,0 +1,114 @@
+//! The prefill driver of [`crate::sdpa`]: tasks of (batch, head, query block) on the fused flash
+//! kernel, in parallel or in one loop.
+
+use crate::exec::{parallel, run_tasks};
+use crate::options::Par;
+use crate::plan::Plan;
+use crate::scratch::with_scratch;
+use attnkit_kernels::{flash_forward, scratch_len, FlashArgs};
+
+/// Query rows per task: enough to amortise packing each K/V block, few enough that long
+/// sequences give every core many tasks. Depends on the shape only, never on the thread count,
+/// so results do not either.
+const Q_BLOCK: usize = 96;
+/// Query rows per task without a causal mask when one head's K and V pass [`KV_L2_BYTES`]: every
+/// task then streams them from L3 rather than L2, so fewer, taller tasks read them less often.
+/// Measured on the Xeon (flash probe, each block size in turn within a round, 15 rounds; K and V
+/// from L3): 96 → 192 rows +15 % (D = 64, 4096 keys; D = 128, 2048 keys), 288 rows +22 %;
+/// with K and V in L2, 192 rows −2 %. Causal tasks keep 96: their diagonal is computed in
+/// 16-key steps whose share grows with the block (−10–20 % at 192 rows, attnbench).
+const Q_BLOCK_TALL: usize = 192;
+/// Bytes of one head's K and V above which they no longer stay in L2 between the tasks of that
+/// head (half of the Xeon's 2 MiB; Zen 4 has 1 MiB).
+const KV_L2_BYTES: usize = 1 << 20;
+
+/// Query rows per task (see [`Q_BLOCK_TALL`]).
+fn q_block(p: &Plan) -> usize {
+    let s = &p.shape;
+    let kv =
+        s.lk.saturating_mul(s.d.saturating_add(s.dv))
+            .saturating_mul(4);
+    if p.causal.is_none() && kv > KV_L2_BYTES {
+        Q_BLOCK_TALL
+    } else {
+        Q_BLOCK
+    }
+}
+
+fn q_blocks(p: &Plan) -> usize {
+    p.shape.lq.div_ceil(q_block(p))
+}
+
+/// Runs every (batch, head, query block) task of `p` (the prefill kernel; `p` has work to do).
+pub(crate) fn run(p: &Plan, par: Par) {
+    let s = &p.shape;
+    let (nqb, group) = (q_blocks(p), s.hq / s.hkv);
+    let n = s.b * s.hq * nqb;
+    let len = scratch_len(q_block(p).min(s.lq), s.d, s.dv);
+    if parallel(par, n, p.work()) {
+        // Later query blocks first: under a causal mask they are the expensive ones, and
+        // rayon hands out ranges front to back.
+        run_tasks(par, n, p.work(), |t| {
+            let (bh, qb) = (t / nqb, nqb - 1 - t % nqb);
+            let (b, h) = (bh / s.hq, bh % s.hq);
+            with_scratch(len, |scratch| task(p, b, h, h / group, qb, scratch));
+        });
+        return;
+    }
+    // On one thread: one scratch borrow and no index arithmetic per task, which small calls
+    // (16 tasks of 10 rows at (2, 8, 10, 16)) notice.
+    with_scratch(len, |scratch| {
+        for b in 0..s.b {
+            for hk in 0..s.hkv {
+                for h in hk * group..(hk + 1) * group {
+                    for qb in (0..nqb).rev() {
+                        task(p, b, h, hk, qb, scratch);
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of at
+/// least `scratch_len(q_block, D, Dv)` floats.
+fn task(p: &Plan, b: usize, h: usize, hk: usize, qb: usize, scratch: &mut [f32]) {
+    let s = &p.shape;
+    let row0 = qb * q_block(p);
+    let m = q_block(p).min(s.lq - row0);
+    let off3 = Plan::off;
+    // SAFETY: (pointer offsets below) every offset addresses an element inside its buffer,
+    // as validated by `check_len` / the dense-length checks in `Plan::new`.
+    let args = unsafe {
+        FlashArgs {
+            m,
+            n: s.lk,
+            d: s.d,
+            dv: s.dv,
+            scale: p.scale,
+            spec: p.spec(b, h, row0),
+            q: p.q.add(off3(p.qs, b, h, row0)),
+            ldq: p.qs[2],
+            k: p.k.add(off3(p.ks, b, hk, 0)),
+            ldk: p.ks[2],
+            v: p.v.add(off3(p.vs, b, hk, 0)),
+            ldv: p.vs[2],
+            o: p.o.add(off3(p.os, b, h, row0)),
+            ldo: p.os[2],
+            lse: if p.lse.is_null() {
+                p.lse
+            } else {
+                p.lse.add((b * s.hq + h) * s.lq + row0)
+            },
+            weights: if p.weights.is_null() {
+                p.weights
+            } else {
+                p.weights.add(((b * s.hq + h) * s.lq + row0) * s.lk)
+            },
+            ldw: s.lk,
+        }
+    };
+    // SAFETY: `args` describes validated, in-bounds extents; this task's output rows (out,
+    // lse, weights) are disjoint from every other task's; the ISA was checked.
+    unsafe { flash_forward(p.isa, &args, scratch) }
+}
