@@ -83,8 +83,13 @@ pub struct SdpaOptions<'a> {
     pub scale: Option<f32>,
     /// Causal masking, combined with every other mask.
     pub causal: Option<Causal>,
-    /// A boolean or additive mask.
-    pub mask: Option<AttnMask<'a>>,
+    /// Boolean mask (`true` = attend; PyTorch SDPA's bool `attn_mask`), broadcast over any of
+    /// `(B, Hq, Lq)` of size 1.
+    pub bool_mask: Option<MaskRef<'a, bool>>,
+    /// Additive bias (PyTorch SDPA's float `attn_mask`; `-inf` masks), broadcast likewise.
+    /// With a [`SdpaOptions::bool_mask`] as well, both apply: the bias is added where the mask
+    /// attends (PyTorch's MHA combining `key_padding_mask` with `attn_mask`).
+    pub bias: Option<MaskRef<'a, f32>>,
     /// Per-batch valid key counts: keys `j ≥ key_lengths[b]` are masked (key padding). With
     /// [`Causal::BottomRight`] the diagonal is aligned to each batch's own length (query `i`
     /// sees `j ≤ i + key_lengths[b] − Lq`), as a ragged KV cache needs.
@@ -129,15 +134,22 @@ impl<'a> SdpaOptions<'a> {
         self.causal = Some(causal);
         self
     }
-    /// Sets a boolean mask (`true` = attend).
+    /// Sets the boolean mask (`true` = attend); a bias set as well still applies.
     pub fn bool_mask(mut self, mask: MaskRef<'a, bool>) -> Self {
-        self.mask = Some(AttnMask::Bool(mask));
+        self.bool_mask = Some(mask);
         self
     }
-    /// Sets an additive mask.
+    /// Sets the additive bias; a boolean mask set as well still applies.
     pub fn bias(mut self, bias: MaskRef<'a, f32>) -> Self {
-        self.mask = Some(AttnMask::Bias(bias));
+        self.bias = Some(bias);
         self
+    }
+    /// Sets the boolean mask or the bias, whichever `mask` is.
+    pub fn mask(self, mask: AttnMask<'a>) -> Self {
+        match mask {
+            AttnMask::Bool(m) => self.bool_mask(m),
+            AttnMask::Bias(b) => self.bias(b),
+        }
     }
     /// Sets per-batch key lengths.
     pub fn key_lengths(mut self, lens: &'a [usize]) -> Self {

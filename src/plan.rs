@@ -5,7 +5,7 @@
 use crate::alloc::checked_len;
 use crate::error::{AttnError, Result};
 use crate::exec::resolve_isa;
-use crate::options::{AttnMask, Causal, Extras, Kernel, MaskRef, SdpaOptions};
+use crate::options::{Causal, Extras, Kernel, MaskRef, SdpaOptions};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
 use attnkit_kernels::{visible_range, Alibi, Isa, ScoreSpec};
 
@@ -230,12 +230,16 @@ impl Plan {
             Kernel::Decode if !extras_weights => Kernel::Decode,
             _ => Kernel::Prefill,
         };
-        let (mut bias, mut mask) = (None, None);
-        match &opts.mask {
-            None => {}
-            Some(AttnMask::Bias(m)) => bias = Some(mask_plan(m, "mask", &shape)?),
-            Some(AttnMask::Bool(m)) => mask = Some(mask_plan(m, "mask", &shape)?),
-        }
+        let mask = opts
+            .bool_mask
+            .as_ref()
+            .map(|m| mask_plan(m, "bool_mask", &shape))
+            .transpose()?;
+        let bias = opts
+            .bias
+            .as_ref()
+            .map(|m| mask_plan(m, "bias", &shape))
+            .transpose()?;
         if let Some(lens) = opts.key_lengths {
             mismatch("key_lengths", "B", b, lens.len())?;
             if let Some((batch, &len)) = lens.iter().enumerate().find(|(_, &l)| l > lk) {

@@ -441,14 +441,15 @@ fn key_lengths_errors() {
 #[test]
 fn mask_errors() {
     for is_bias in [false, true] {
+        let arg = if is_bias { "bias" } else { "bool_mask" };
         let cases = [
-            ([3, 1, 5, 7], mismatch("mask", "B", 2, 3)),
-            ([2, 3, 5, 7], mismatch("mask", "H", 4, 3)),
-            ([2, 2, 5, 7], mismatch("mask", "H", 4, 2)),
-            ([1, 1, 4, 7], mismatch("mask", "Lq", 5, 4)),
-            ([1, 1, 5, 8], mismatch("mask", "Lk", 7, 8)),
-            ([1, 1, 1, 1], mismatch("mask", "Lk", 7, 1)),
-            ([2, 4, 5, 6], mismatch("mask", "Lk", 7, 6)),
+            ([3, 1, 5, 7], mismatch(arg, "B", 2, 3)),
+            ([2, 3, 5, 7], mismatch(arg, "H", 4, 3)),
+            ([2, 2, 5, 7], mismatch(arg, "H", 4, 2)),
+            ([1, 1, 4, 7], mismatch(arg, "Lq", 5, 4)),
+            ([1, 1, 5, 8], mismatch(arg, "Lk", 7, 8)),
+            ([1, 1, 1, 1], mismatch(arg, "Lk", 7, 1)),
+            ([2, 4, 5, 6], mismatch(arg, "Lk", 7, 6)),
         ];
         for (shape, want) in cases {
             let mut c = Call::base();
@@ -473,7 +474,7 @@ fn mask_errors() {
                 expect(
                     c.run(),
                     AttnError::BufferLength {
-                        arg: "mask",
+                        arg,
                         needed: dense(shape),
                         got: n,
                     },
@@ -582,9 +583,9 @@ fn size_products_that_overflow() {
     const M: usize = 1 << 16;
     (c.q, c.k, c.v, c.out) = ([M, M, M, 0], [M, 1, M, 0], [M, 1, M, 0], [M, M, M, 0]);
     c.mask = Some((false, [M, M, M, M], 0));
-    expect(c.run(), AttnError::Overflow { arg: "mask" });
+    expect(c.run(), AttnError::Overflow { arg: "bool_mask" });
     c.mask = Some((true, [M, M, M, M], 0));
-    expect(c.run(), AttnError::Overflow { arg: "mask" });
+    expect(c.run(), AttnError::Overflow { arg: "bias" });
     c.mask = None;
     c.weights = Some(0);
     expect(c.run(), AttnError::Overflow { arg: "weights" });

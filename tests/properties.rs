@@ -15,8 +15,8 @@ use attnkit::{
     Tensor, TensorMut,
 };
 use common::{
-    close, compare, isas, randn, reference, Dims, Problem, RefMask, RefOut, Strided, ViewSpec,
-    ATOL, RTOL,
+    close, compare, isas, mask_index, randn, reference, Dims, Problem, RefMask, RefOut, Strided,
+    ViewSpec, ATOL, RTOL,
 };
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -1202,6 +1202,87 @@ fn bias_neg_inf_equals_bool_mask() {
         let p64: Vec<f64> = plain.iter().map(|&x| x as f64).collect();
         let (max, bad, _) = compare(&all, &p64);
         assert_eq!(bad, 0, "{isa}: all-true mask vs no mask differ by {max:e}");
+    }
+}
+
+/// A bool mask and a bias set together both apply, on every kernel: the result equals the bias
+/// alone with −inf where the mask is false (before, the second setter replaced the first).
+#[test]
+fn bool_mask_and_bias_apply_together() {
+    let dims = Dims {
+        b: 2,
+        hq: 4,
+        hkv: 2,
+        lq: 19,
+        lk: 150,
+        d: 20,
+        dv: 12,
+    };
+    let mut rng = SmallRng::seed_from_u64(9);
+    let q = randn(&mut rng, dims.q().iter().product(), 1.0);
+    let k = randn(&mut rng, dims.k().iter().product(), 1.0);
+    let v = randn(&mut rng, dims.v().iter().product(), 1.0);
+    // The mask broadcasts over heads, the bias over batches: the combination is full.
+    let (ms, bs) = (
+        [dims.b, 1, dims.lq, dims.lk],
+        [1, dims.hq, dims.lq, dims.lk],
+    );
+    let mask: Vec<bool> = (0..ms.iter().product())
+        .map(|_| rng.gen_bool(0.7))
+        .collect();
+    let bias = randn(&mut rng, bs.iter().product(), 2.0);
+    let full = [dims.b, dims.hq, dims.lq, dims.lk];
+    let mut combined = vec![0.0f32; full.iter().product()];
+    for b in 0..dims.b {
+        for h in 0..dims.hq {
+            for i in 0..dims.lq {
+                for j in 0..dims.lk {
+                    let at = ((b * dims.hq + h) * dims.lq + i) * dims.lk + j;
+                    combined[at] = if mask[mask_index(ms, b, h, i, j)] {
+                        bias[mask_index(bs, b, h, i, j)]
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+            }
+        }
+    }
+    let (qt, kt, vt) = (
+        Tensor::bhld(&q, dims.q()),
+        Tensor::bhld(&k, dims.k()),
+        Tensor::bhld(&v, dims.v()),
+    );
+    let n: usize = dims.out().iter().product();
+    for isa in isas() {
+        for kernel in KERNELS {
+            for causal in [None, Some(Causal::BottomRight)] {
+                let mut o = SdpaOptions::new().isa(isa);
+                if let Some(c) = causal {
+                    o = o.causal(c);
+                }
+                let run = |opts: &SdpaOptions| {
+                    let mut out = vec![0.0f32; n];
+                    let mut ov = TensorMut::bhld(&mut out, dims.out());
+                    run_kernel(kernel, &qt, &kt, &vt, &mut ov, opts, None).unwrap();
+                    out
+                };
+                let both = run(&o
+                    .bool_mask(MaskRef::new(&mask, ms))
+                    .bias(MaskRef::new(&bias, bs)));
+                let want = run(&o.bias(MaskRef::new(&combined, full)));
+                let bias_only = run(&o.bias(MaskRef::new(&bias, bs)));
+                let w64: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+                let (max, bad, _) = compare(&both, &w64);
+                let ctx = format!("{isa} {kernel:?} {causal:?}");
+                assert_eq!(bad, 0, "{ctx}: mask + bias vs the combined bias: {max:e}");
+                let moved = both
+                    .iter()
+                    .zip(&bias_only)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(moved > 1e-3, "{ctx}: the bool mask changed nothing");
+            }
+        }
     }
 }
 

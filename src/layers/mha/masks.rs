@@ -18,13 +18,12 @@ pub(super) struct SdpaMasks<'a> {
 impl<'a> SdpaMasks<'a> {
     pub(super) fn apply<'s>(&'s self, o: &mut SdpaOptions<'s>) {
         o.key_lengths = self.key_lengths.as_deref();
-        if let Some((m, s)) = &self.bool_mask {
-            o.mask = Some(crate::AttnMask::Bool(MaskRef::new(m, *s)));
-        } else if let Some((m, s)) = &self.owned_bias {
-            o.mask = Some(crate::AttnMask::Bias(MaskRef::new(m, *s)));
-        } else if let Some((m, s)) = self.borrowed_bias {
-            o.mask = Some(crate::AttnMask::Bias(MaskRef::new(m, s)));
-        }
+        o.bool_mask = self.bool_mask.as_ref().map(|(m, s)| MaskRef::new(m, *s));
+        o.bias = match (&self.owned_bias, self.borrowed_bias) {
+            (Some((m, s)), _) => Some(MaskRef::new(m, *s)),
+            (None, Some((m, s))) => Some(MaskRef::new(m, s)),
+            (None, None) => None,
+        };
     }
 }
 
