@@ -14,9 +14,9 @@
 //! a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
 
 use crate::elem::{as_f32, get, Elem};
-use crate::gemm::{Accum, Tiles};
+use crate::gemm::{Accum, Plain, Softcap, Tiles};
 use crate::score::{finish, ScoreSpec};
-use crate::simd::{aligned, exp2, Simd, SimdDiv, ALIGN_SLACK};
+use crate::simd::{aligned, exp2, ScaledTanh, Simd, SimdDiv, ALIGN_SLACK};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 const LN2: f32 = core::f32::consts::LN_2;
@@ -122,6 +122,13 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv, Q: Elem, KV: Elem>(
     // Both ends of the visible range grow with r: the last row bounds the key loop above, the
     // first below.
     let spec = &a.spec;
+    // A softcap is applied by the score tile as it stores each register (no pass over Sᵀ), to
+    // scores computed already divided by the cap; the rest of the spec is applied after it.
+    let capped = spec.softcap.map(|c| Softcap(ScaledTanh::new(c * LOG2E)));
+    let rest_spec = ScoreSpec {
+        softcap: None,
+        ..*spec
+    };
     let kmax = spec.visible_range(m - 1).1.min(a.n);
     let kmin = spec.visible_range(0).0.min(kmax);
     let sink2 = spec.sink_in(LOG2E);
@@ -129,8 +136,12 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv, Q: Elem, KV: Elem>(
     // SAFETY: (whole body) reads and writes stay inside the extents `args` describes and the
     // scratch slices split above; the ISA is enabled per this function's contract.
     unsafe {
-        // Q̂ᵀ (d × mp), pre-scaled into base-2 units; padding lanes are zero.
-        let qscale = a.scale * LOG2E;
+        // Q̂ᵀ (d × mp), pre-scaled into base-2 units (with a softcap, divided by the cap);
+        // padding lanes are zero.
+        let qscale = match spec.softcap {
+            Some(cap) => a.scale / cap,
+            None => a.scale * LOG2E,
+        };
         // Padding lanes must be zero. The transpose writes zeros up to the next multiple of 8;
         // with 16 lanes, rows may have 8 more (cheaper than a memset of all of Q̂ᵀ per call).
         let m8 = round_up(m, 8);
@@ -176,22 +187,31 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv, Q: Elem, KV: Elem>(
             };
             let lanes = u * w;
             let s = &mut st[..nb * mp];
-            S::block(
-                nb,
-                nvec - u,
-                d,
-                SCORE_CHAIN,
-                a.k.add(j0 * a.ldk),
-                a.ldk,
-                1,
-                qt.as_ptr().add(lanes),
-                mp,
-                s.as_mut_ptr().add(lanes),
-                mp,
-                Accum::Replace,
-            );
+            macro_rules! scores {
+                ($epi:expr) => {
+                    S::block(
+                        nb,
+                        nvec - u,
+                        d,
+                        SCORE_CHAIN,
+                        a.k.add(j0 * a.ldk),
+                        a.ldk,
+                        1,
+                        qt.as_ptr().add(lanes),
+                        mp,
+                        s.as_mut_ptr().add(lanes),
+                        mp,
+                        Accum::Replace,
+                        $epi,
+                    )
+                };
+            }
+            match capped {
+                Some(epi) => scores!(epi),
+                None => scores!(Plain),
+            }
             // Lanes < u·W of `s` are stale; the causal fill of `mask_block` sets them to −inf.
-            mask_block::<S, Q, KV>(a, j0, nb, mp, s);
+            mask_block::<S, Q, KV>(a, &rest_spec, j0, nb, mp, s);
             let rescale = online_softmax::<S>(s, nb, mp, mrow, lrow, alpha);
             if first && j0 + nb == kmax && dv % w == 0 {
                 // The only key block (short sequences): O = diag(1/l)·P·V straight into the
@@ -215,6 +235,7 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv, Q: Elem, KV: Elem>(
                     a.o,
                     a.ldo,
                     Accum::Replace,
+                    Plain,
                 );
                 direct = true;
                 break;
@@ -239,6 +260,7 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv, Q: Elem, KV: Elem>(
                 ot.as_mut_ptr().add(lanes),
                 mp,
                 acc,
+                Plain,
             );
             first = false;
             j0 += nb;
@@ -359,20 +381,21 @@ unsafe fn transpose_widened<E: Elem, const WIDE_DST: bool>(
     }
 }
 
-/// Applies the score spec to a score block `Sᵀ[nb × mp]` starting at key `j0`, and copies the
-/// resulting base-2 logits to the weights if asked.
+/// Applies `spec` (the kernel's spec without its softcap, which the score tile applied) to a
+/// score block `Sᵀ[nb × mp]` starting at key `j0`, and copies the resulting base-2 logits to the
+/// weights if asked.
 ///
 /// # Safety
 /// As [`forward`].
 #[inline(always)]
 unsafe fn mask_block<S: SimdDiv, Q: Elem, KV: Elem>(
     a: &FlashArgs<Q, KV>,
+    spec: &ScoreSpec,
     j0: usize,
     nb: usize,
     mp: usize,
     s: &mut [f32],
 ) {
-    let spec = &a.spec;
     if spec.is_bare() && a.weights.is_null() {
         // Visibility alone: a loop over the keys doing nothing was 5 % of small calls, and a
         // per-key check 12 % of small causal calls, so only the causal fills remain.

@@ -17,7 +17,7 @@
 //! AVX2 and the portable path use MR = 6 / 4, NV = 2 (12 / 8 accumulators of 16 ymm).
 
 use crate::elem::{get, Elem};
-use crate::simd::Simd;
+use crate::simd::{ScaledTanh, SimdDiv};
 
 /// How a tile treats the existing contents of C.
 #[derive(Clone, Copy)]
@@ -28,13 +28,46 @@ pub(crate) enum Accum {
     Add,
 }
 
+/// What a tile does to each finished register of C before it stores it: nothing, or a
+/// transform that would otherwise be a pass over C (the softcap of the score tile).
+pub(crate) trait Epilogue: Copy {
+    /// The stored value of a finished register `v`.
+    ///
+    /// # Safety
+    /// The ISA of `S` is enabled.
+    unsafe fn apply<S: SimdDiv>(&self, v: S::V) -> S::V;
+}
+
+/// Stores C as computed.
+#[derive(Clone, Copy)]
+pub(crate) struct Plain;
+
+impl Epilogue for Plain {
+    #[inline(always)]
+    unsafe fn apply<S: SimdDiv>(&self, v: S::V) -> S::V {
+        v
+    }
+}
+
+/// Stores `k·tanh(c)`: the softcap of scores computed already divided by the cap.
+#[derive(Clone, Copy)]
+pub(crate) struct Softcap(pub(crate) ScaledTanh);
+
+impl Epilogue for Softcap {
+    #[inline(always)]
+    unsafe fn apply<S: SimdDiv>(&self, v: S::V) -> S::V {
+        // SAFETY: forwarded contract.
+        unsafe { self.0.eval::<S>(v) }
+    }
+}
+
 /// One MR × (NV·W) tile, reducing over `kc` in FMA chains of at most `chain` steps.
 ///
 /// # Safety
 /// `a` is readable at `i*rsa + p*csa` and `b` at `p*ldb + [0, NV·W)` for `i < MR`, `p < kc`; `c` is
 /// readable (for `Add`) and writable at `i*ldc + [0, NV·W)`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn tile<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
+unsafe fn tile<S: SimdDiv, A: Elem, B: Elem, F: Epilogue, const MR: usize, const NV: usize>(
     kc: usize,
     chain: usize,
     a: *const A,
@@ -45,6 +78,7 @@ unsafe fn tile<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
     c: *mut f32,
     ldc: usize,
     acc: Accum,
+    epi: F,
 ) {
     // SAFETY: pointer ranges as promised by the caller (see `# Safety`).
     unsafe {
@@ -81,6 +115,7 @@ unsafe fn tile<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
                     } else {
                         S::add(S::load(cp), r[i][v])
                     };
+                    let x = if p1 == kc { epi.apply::<S>(x) } else { x };
                     S::store(cp, x);
                 }
             }
@@ -96,7 +131,7 @@ unsafe fn tile<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
 /// One column panel (NV vectors wide) over all `m` rows: full MR-row tiles, then one shorter
 /// tile. The panel of B (`kc × NV·W`) stays in L1 while the rows of A stream past it.
 #[inline(always)]
-unsafe fn panel<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
+unsafe fn panel<S: SimdDiv, A: Elem, B: Elem, F: Epilogue, const MR: usize, const NV: usize>(
     m: usize,
     kc: usize,
     chain: usize,
@@ -108,12 +143,13 @@ unsafe fn panel<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
     c: *mut f32,
     ldc: usize,
     acc: Accum,
+    epi: F,
 ) {
     let mut i = 0;
     // SAFETY: each tile stays inside the `m` rows the caller vouched for.
     unsafe {
         while i + MR <= m {
-            tile::<S, A, B, MR, NV>(
+            tile::<S, A, B, F, MR, NV>(
                 kc,
                 chain,
                 a.add(i * rsa),
@@ -124,19 +160,20 @@ unsafe fn panel<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
                 c.add(i * ldc),
                 ldc,
                 acc,
+                epi,
             );
             i += MR;
         }
         let (a, c) = (a.add(i * rsa), c.add(i * ldc));
         match m - i {
             0 => {}
-            1 => tile::<S, A, B, 1, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            2 => tile::<S, A, B, 2, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            3 => tile::<S, A, B, 3, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            4 => tile::<S, A, B, 4, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            5 => tile::<S, A, B, 5, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            6 => tile::<S, A, B, 6, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            7 => tile::<S, A, B, 7, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            1 => tile::<S, A, B, F, 1, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            2 => tile::<S, A, B, F, 2, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            3 => tile::<S, A, B, F, 3, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            4 => tile::<S, A, B, F, 4, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            5 => tile::<S, A, B, F, 5, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            6 => tile::<S, A, B, F, 6, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            7 => tile::<S, A, B, F, 7, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
             _ => unreachable!("MR is at most 8"),
         }
     }
@@ -149,7 +186,14 @@ unsafe fn panel<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
 /// # Safety
 /// As [`tile`], for all `m` rows and `nvec·W` columns; `NV ≤ 4`, `MR ≤ 8`.
 #[inline(always)]
-pub(crate) unsafe fn gemm<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: usize>(
+pub(crate) unsafe fn gemm<
+    S: SimdDiv,
+    A: Elem,
+    B: Elem,
+    F: Epilogue,
+    const MR: usize,
+    const NV: usize,
+>(
     m: usize,
     nvec: usize,
     kc: usize,
@@ -162,13 +206,14 @@ pub(crate) unsafe fn gemm<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: 
     c: *mut f32,
     ldc: usize,
     acc: Accum,
+    epi: F,
 ) {
     let mut v0 = 0;
     // SAFETY: each panel stays inside the `nvec·W` columns the caller vouched for.
     unsafe {
         while v0 + NV <= nvec {
             let off = v0 * S::W;
-            panel::<S, A, B, MR, NV>(
+            panel::<S, A, B, F, MR, NV>(
                 m,
                 kc,
                 chain,
@@ -180,6 +225,7 @@ pub(crate) unsafe fn gemm<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: 
                 c.add(off),
                 ldc,
                 acc,
+                epi,
             );
             v0 += NV;
         }
@@ -187,21 +233,21 @@ pub(crate) unsafe fn gemm<S: Simd, A: Elem, B: Elem, const MR: usize, const NV: 
         let (b, c) = (b.add(off), c.add(off));
         match nvec - v0 {
             0 => {}
-            1 => panel::<S, A, B, MR, 1>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            2 => panel::<S, A, B, MR, 2>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
-            3 => panel::<S, A, B, MR, 3>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc),
+            1 => panel::<S, A, B, F, MR, 1>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            2 => panel::<S, A, B, F, MR, 2>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            3 => panel::<S, A, B, F, MR, 3>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
             _ => unreachable!("NV is at most 4"),
         }
     }
 }
 
 /// Per-ISA choice of tile shape (the one place where MR and NV are fixed).
-pub(crate) trait Tiles: Simd {
+pub(crate) trait Tiles: SimdDiv {
     /// [`gemm`] with this ISA's tile shape.
     ///
     /// # Safety
     /// As [`gemm`].
-    unsafe fn block<A: Elem, B: Elem>(
+    unsafe fn block<A: Elem, B: Elem, F: Epilogue>(
         m: usize,
         nvec: usize,
         kc: usize,
@@ -214,6 +260,7 @@ pub(crate) trait Tiles: Simd {
         c: *mut f32,
         ldc: usize,
         acc: Accum,
+        epi: F,
     );
 }
 
@@ -221,7 +268,7 @@ macro_rules! tiles {
     ($t:ty, $mr:literal, $nv:literal) => {
         impl Tiles for $t {
             #[inline(always)]
-            unsafe fn block<A: Elem, B: Elem>(
+            unsafe fn block<A: Elem, B: Elem, F: Epilogue>(
                 m: usize,
                 nvec: usize,
                 kc: usize,
@@ -234,10 +281,13 @@ macro_rules! tiles {
                 c: *mut f32,
                 ldc: usize,
                 acc: Accum,
+                epi: F,
             ) {
                 // SAFETY: forwarded contract.
                 unsafe {
-                    gemm::<$t, A, B, $mr, $nv>(m, nvec, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc)
+                    gemm::<$t, A, B, F, $mr, $nv>(
+                        m, nvec, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi,
+                    )
                 }
             }
         }
@@ -250,7 +300,8 @@ tiles!(crate::x86_64::avx2::Avx2, 6, 2);
 #[cfg(target_arch = "x86_64")]
 tiles!(crate::x86_64::avx512::Avx512, 8, 3);
 
-/// [`Tiles::block`] as a free generic function, the form the ISA dispatch instantiates.
+/// [`Tiles::block`] without an epilogue as a free generic function, the form the ISA dispatch
+/// instantiates.
 ///
 /// # Safety
 /// As [`gemm`].
@@ -270,5 +321,5 @@ pub(crate) unsafe fn block<S: Tiles, A: Elem, B: Elem>(
     acc: Accum,
 ) {
     // SAFETY: forwarded contract.
-    unsafe { S::block(m, nvec, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc) }
+    unsafe { S::block(m, nvec, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, Plain) }
 }

@@ -12,6 +12,10 @@
 //! and the sink, if any, joins each row's softmax denominator as one more logit with no value.
 //! Softcap comes first, so a hidden key stays −inf rather than becoming −cap.
 //!
+//! The fused prefill kernel applies the softcap in its score tile as each register is stored
+//! (`gemm::Softcap`: a pass over the tile cost a third of the softcap's time), the rest of the
+//! spec after it; decode and the unfused path apply all of it through [`ScoreSpec::apply_row`].
+//!
 //! Kernels may work in scaled units (the fused kernels in base 2: every logit times `log2 e`);
 //! `apply` takes the unit `u` and scales the constants, since `u·cap·tanh(x/cap) =
 //! (u·cap)·tanh(u·x/(u·cap))`.
@@ -132,7 +136,9 @@ impl ScoreSpec {
     /// Applies the spec to a transposed score tile `Sᵀ[nb × mp]` in units `u`: row `j` holds key
     /// `j0 + j`, lane `r < m` local query row `r`. Keys outside `[lo(r), hi(r))` of a row become
     /// −inf (the caller visits only keys inside the union of the rows' ranges, so key length is
-    /// already respected); lanes `≥ m` are left finite or −inf, never read as results.
+    /// already respected); lanes `≥ m` are left finite or −inf, never read as results. The
+    /// softcap is not applied here: the fused kernel's score tile applies it as it stores (see
+    /// `gemm::Softcap`), so the spec must have none.
     ///
     /// # Safety
     /// `mp` a multiple of `S::W`, `m ≤ mp`, `s.len() ≥ nb·mp`; bias and mask readable at rows
@@ -147,11 +153,12 @@ impl ScoreSpec {
         s: &mut [f32],
         u: f32,
     ) {
+        debug_assert!(
+            self.softcap.is_none(),
+            "apply_t: softcap belongs to the tile"
+        );
         // SAFETY: per the contract; every vector access is a whole lane group below nb·mp.
         unsafe {
-            // Softcap and ALiBi in one pass over the tile.
-            let cap = self.softcap.map_or(1.0, |c| c * u);
-            let (cv, inv) = (S::splat(cap), S::splat(1.0 / cap));
             let (slope, pos0) = self.alibi.map_or((0.0, 0.0), |al| {
                 // Lane r of key row j: |row0 + r + offset − (j0 + j)|.
                 (
@@ -160,30 +167,15 @@ impl ScoreSpec {
                 )
             });
             let sv = S::splat(slope);
-            macro_rules! pass {
-                ($cap:expr, $alibi:expr) => {
-                    for j in 0..nb {
-                        for c in (0..mp).step_by(S::W) {
-                            let p = s.as_mut_ptr().add(j * mp + c);
-                            let mut x = S::load(p);
-                            if $cap {
-                                x = S::mul(cv, tanh_with::<S, true>(S::mul(x, inv)));
-                            }
-                            if $alibi {
-                                let base = S::splat((pos0 - j as f64 + c as f64) as f32);
-                                let dist = abs::<S>(S::add(S::load(IOTA.as_ptr()), base));
-                                x = S::fma(dist, sv, x);
-                            }
-                            S::store(p, x);
-                        }
+            if self.alibi.is_some() {
+                for j in 0..nb {
+                    for c in (0..mp).step_by(S::W) {
+                        let p = s.as_mut_ptr().add(j * mp + c);
+                        let base = S::splat((pos0 - j as f64 + c as f64) as f32);
+                        let dist = abs::<S>(S::add(S::load(IOTA.as_ptr()), base));
+                        S::store(p, S::fma(dist, sv, S::load(p)));
                     }
-                };
-            }
-            match (self.softcap.is_some(), self.alibi.is_some()) {
-                (true, true) => pass!(true, true),
-                (true, false) => pass!(true, false),
-                (false, true) => pass!(false, true),
-                (false, false) => {}
+                }
             }
             for j in 0..nb {
                 let jj = j0 + j;

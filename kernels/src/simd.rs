@@ -339,19 +339,53 @@ pub(crate) unsafe fn tanh<S: SimdDiv>(x: S::V) -> S::V {
 /// for the softcap, whose logits are only ever accurate to an ulp of the cap).
 #[inline(always)]
 pub(crate) unsafe fn tanh_with<S: SimdDiv, const FAST: bool>(x: S::V) -> S::V {
+    // SAFETY: forwarded contract.
+    unsafe { tanh_rational::<S, FAST>(x, &TANH_ALPHA) }
+}
+
+/// `k·tanh(y)` with `k` folded into the numerator's coefficients, so the scaling costs nothing
+/// (the softcap of a score already divided by the cap: `cap·tanh(x/cap)`). As
+/// [`tanh_with`]`::<S, true>` plus one rounding of each coefficient.
+#[derive(Clone, Copy)]
+pub(crate) struct ScaledTanh {
+    alpha: [f32; 7],
+}
+
+impl ScaledTanh {
+    pub(crate) fn new(k: f32) -> Self {
+        ScaledTanh {
+            alpha: TANH_ALPHA.map(|a| a * k),
+        }
+    }
+
+    /// `k·tanh(y)` lane-wise.
+    ///
+    /// # Safety
+    /// The ISA of `S` is enabled.
+    #[inline(always)]
+    pub(crate) unsafe fn eval<S: SimdDiv>(&self, y: S::V) -> S::V {
+        // SAFETY: forwarded contract.
+        unsafe { tanh_rational::<S, false>(y, &self.alpha) }
+    }
+}
+
+/// `x·P(x²)/Q(x²)` on x clamped to [-9, 9], `P` from `alpha` (the [`TANH_ALPHA`] of [`tanh`],
+/// possibly scaled), `Q` from [`TANH_BETA`].
+#[inline(always)]
+unsafe fn tanh_rational<S: SimdDiv, const FAST: bool>(x: S::V, alpha: &[f32; 7]) -> S::V {
     // SAFETY: register-only arithmetic; the ISA is enabled per the trait's contract.
     unsafe {
         // Operand order matters: NaN in `x` must win the clamp so it reaches the result.
         let x = S::max(S::splat(-TANH_CLAMP), x);
         let x = S::min(S::splat(TANH_CLAMP), x);
         let x2 = S::mul(x, x);
-        let mut p = S::splat(TANH_ALPHA[6]);
-        p = S::fma(p, x2, S::splat(TANH_ALPHA[5]));
-        p = S::fma(p, x2, S::splat(TANH_ALPHA[4]));
-        p = S::fma(p, x2, S::splat(TANH_ALPHA[3]));
-        p = S::fma(p, x2, S::splat(TANH_ALPHA[2]));
-        p = S::fma(p, x2, S::splat(TANH_ALPHA[1]));
-        p = S::fma(p, x2, S::splat(TANH_ALPHA[0]));
+        let mut p = S::splat(alpha[6]);
+        p = S::fma(p, x2, S::splat(alpha[5]));
+        p = S::fma(p, x2, S::splat(alpha[4]));
+        p = S::fma(p, x2, S::splat(alpha[3]));
+        p = S::fma(p, x2, S::splat(alpha[2]));
+        p = S::fma(p, x2, S::splat(alpha[1]));
+        p = S::fma(p, x2, S::splat(alpha[0]));
         let mut q = S::splat(TANH_BETA[3]);
         q = S::fma(q, x2, S::splat(TANH_BETA[2]));
         q = S::fma(q, x2, S::splat(TANH_BETA[1]));
