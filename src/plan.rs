@@ -22,9 +22,9 @@ fn decode_suits(lq: usize, lk: usize) -> bool {
     (lq <= 4 || (lq <= 8 && lk >= 512)) && lk >= lq
 }
 
-/// The kernel [`sdpa`] will run for these logical shapes (`q (B, Hq, Lq, D)`, `k (B, Hkv, Lk, D)`)
-/// and options, without weights asked for: `opts.kernel` when forced, else the choice of
-/// [`Kernel::Auto`]. Benchmarks report it.
+/// The kernel [`crate::sdpa`] will run for these logical shapes (`q (B, Hq, Lq, D)`,
+/// `k (B, Hkv, Lk, D)`) and options, without weights asked for: `opts.kernel` when forced, else
+/// the choice of [`Kernel::Auto`]. Benchmarks report it.
 pub fn choose_kernel(q_shape: [usize; 4], k_shape: [usize; 4], opts: &SdpaOptions) -> Kernel {
     let (lq, hkv, lk) = (q_shape[2], k_shape[1], k_shape[2]);
     match opts.kernel {

@@ -21,7 +21,7 @@ use crate::view::{Tensor, TensorMut};
 /// thread and reused).
 ///
 /// # Errors
-/// [`AttnError`] naming the argument and sizes for: a dimension that disagrees between q, k, v,
+/// [`AttnError`](crate::AttnError) naming the argument and sizes for: a dimension that disagrees between q, k, v,
 /// out and the mask; a buffer shorter than its view; an output view whose rows overlap; `Hq` not
 /// a multiple of `Hkv`; a key length `> Lk`; sizes that overflow; a non-finite scale; an ISA the
 /// CPU lacks.

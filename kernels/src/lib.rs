@@ -5,10 +5,10 @@
 //! that tests compare every ISA against. Shapes are not validated here beyond `debug_assert!`s
 //! and the checks each safe function documents: the `attnkit` crate validates user input first.
 //!
-//! The flash and decode kernels read their operands as any [`Elem`] (`f32`, [`bf16`], [`f16`]),
-//! widened on load, and compute in f32: [`flash_forward`] and [`decode_partial`] are the f32
-//! instances (compiled here), [`flash_forward_as`] and [`decode_partial_as`] the generic entry
-//! points (compiled where they are used).
+//! The flash and decode kernels read their operands as any [`Elem`] (`f32`, [`bf16`],
+//! [`f16`](struct@f16)), widened on load, and compute in f32: [`flash_forward`] and
+//! [`decode_partial`] are the f32 instances (compiled here), [`flash_forward_as`] and
+//! [`decode_partial_as`] the generic entry points (compiled where they are used).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]

@@ -2,7 +2,8 @@
 
 use crate::error::{AttnError, Result};
 
-/// Configuration of a [`MultiheadAttention`], as the arguments of PyTorch's constructor.
+/// Configuration of a [`crate::MultiheadAttention`], as the arguments of PyTorch's
+/// constructor.
 ///
 /// ```
 /// use attnkit::MhaConfig;

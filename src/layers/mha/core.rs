@@ -11,8 +11,8 @@ use crate::layers::{check_qkv, product, Tokens};
 use crate::options::{Causal, Extras, SdpaOptions};
 use crate::view::{Tensor, TensorMut};
 
-/// The projections and attention shared by [`MultiheadAttention`] and [`crate::SelfAttention`]:
-/// `H` query heads of width `d`, `Hkv` KV heads (key width `d`, value width `dv`), the three
+/// The projections and attention shared by [`crate::MultiheadAttention`] and
+/// [`crate::SelfAttention`]: `H` query heads of width `d`, `Hkv` KV heads (key width `d`, value width `dv`), the three
 /// projection matrices stored back to back, `[W_q (H·d × e_q); W_k (Hkv·d × e_k);
 /// W_v (Hkv·dv × e_v)]` (PyTorch's packed `in_proj_weight` when the widths agree), and an
 /// optional output projection.

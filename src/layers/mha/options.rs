@@ -112,8 +112,8 @@ impl<'a> KeyPadding<'a> {
     }
 }
 
-/// Options of a [`MultiheadAttention`] (and [`crate::SelfAttention`]) forward pass, named as
-/// the arguments of PyTorch's `forward`.
+/// Options of a [`crate::MultiheadAttention`] (and [`crate::SelfAttention`]) forward pass,
+/// named as the arguments of PyTorch's `forward`.
 ///
 /// Differences from PyTorch: `need_weights` defaults to `false` (PyTorch: `true`), since asking
 /// for the weights materialises them; `is_causal` without `attn_mask` is allowed (PyTorch raises)
