@@ -13,20 +13,8 @@ use attnkit_kernels::{
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-fn isas() -> Vec<Isa> {
-    if let Ok(req) = std::env::var("ATTNKIT_REQUIRE_ISAS") {
-        for name in req.split(',').filter(|s| !s.is_empty()) {
-            let isa: Isa = name
-                .parse()
-                .expect("ATTNKIT_REQUIRE_ISAS names an unknown ISA");
-            assert!(
-                isa.is_supported(),
-                "required ISA {isa} is not supported here"
-            );
-        }
-    }
-    Isa::available()
-}
+mod common;
+use common::isas;
 
 /// Random values of `E`, and the same values widened to f32.
 fn values<E: Elem>(rng: &mut SmallRng, n: usize) -> (Vec<E>, Vec<f32>) {
@@ -165,10 +153,9 @@ fn flash_reads_bf16_and_f16_operands_exactly_as_their_f32_values() {
                 dv,
                 causal,
             };
-            // Each type on each side, in as few instances as cover them (each instance compiles
-            // the kernel for every ISA): bf16 and f16 K/V, bf16 Q.
-            flash_case::<bf16, bf16>(isa, &mut rng, &s);
-            flash_case::<f32, f16>(isa, &mut rng, &s);
+            // One instance (each compiles the kernel for every ISA and epilogue, minutes of
+            // build): bf16 Q, f16 K/V here; the decode test has f16 Q and bf16 K/V.
+            flash_case::<bf16, f16>(isa, &mut rng, &s);
         }
     }
 }

@@ -1,30 +1,12 @@
 //! Every kernel on every ISA this CPU has, against its f64 twin in `reference`.
 //! Set `ATTNKIT_REQUIRE_ISAS=avx2,avx512` to fail (not skip) when a path is missing.
 
-use attnkit_kernels::{flash_forward, reference, scratch_len, Alibi, FlashArgs, Isa, ScoreSpec};
+use attnkit_kernels::{flash_forward, reference, scratch_len, Alibi, FlashArgs, ScoreSpec};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-fn isas() -> Vec<Isa> {
-    if let Ok(req) = std::env::var("ATTNKIT_REQUIRE_ISAS") {
-        for name in req.split(',').filter(|s| !s.is_empty()) {
-            let isa: Isa = name
-                .parse()
-                .expect("ATTNKIT_REQUIRE_ISAS names an unknown ISA");
-            assert!(
-                isa.is_supported(),
-                "required ISA {isa} is not supported here"
-            );
-        }
-    }
-    let avail = Isa::available();
-    for isa in Isa::ALL {
-        if !avail.contains(&isa) {
-            eprintln!("skipping unsupported ISA {isa}");
-        }
-    }
-    avail
-}
+mod common;
+use common::isas;
 
 fn ulps(a: f32, b: f64) -> f64 {
     let ulp = (b.abs() as f32).max(f32::MIN_POSITIVE);
