@@ -9,11 +9,11 @@
 
 use crate::exec::{run_tasks, SendPtr};
 use crate::options::Par;
-use crate::plan::Plan;
+use crate::plan::{off, Plan};
 use crate::scratch::with_scratch;
 use attnkit_kernels::{
-    decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
-    DecodeWalk, ScoreSpec,
+    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk, Dtype,
+    Elem, Operand, ScoreSpec,
 };
 use std::cell::RefCell;
 
@@ -31,7 +31,7 @@ thread_local! {
 }
 
 /// Runs `p` on the decode kernel: every (batch, KV head, chunk) task, then the merge.
-pub(crate) fn run(p: &Plan, par: Par) {
+pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
     let s = p.shape;
     let groups = s.b * s.hkv;
     let g = s.hq / s.hkv;
@@ -48,10 +48,13 @@ pub(crate) fn run(p: &Plan, par: Par) {
     // parallelism in the caller), which then finds an empty buffer and uses its own.
     let mut buf = PARTIALS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
     let len = groups * chunks * per_task;
-    if buf.len() < len {
-        buf.resize(len, 0.0);
+    // A 16-bit output row is merged into f32 at the end of the buffer, then rounded.
+    let staged = if O::DTYPE == Dtype::F32 { 0 } else { s.dv };
+    if buf.len() < len + staged {
+        buf.resize(len + staged, 0.0);
     }
-    let parts = SendPtr(buf.as_mut_ptr());
+    let (buf_parts, row) = buf.split_at_mut(len);
+    let parts = SendPtr(buf_parts.as_mut_ptr());
     run_tasks(par, groups * chunks, p.work(), |t| {
         // SAFETY: task `t` owns partial rows `[t·rows, (t+1)·rows)` of the buffer.
         let dst = unsafe { parts.get().add(t * per_task) };
@@ -64,15 +67,25 @@ pub(crate) fn run(p: &Plan, par: Par) {
             // SAFETY: `out` row (b, h, i) and lse entry are in bounds (validated) and
             // nothing else touches them now.
             unsafe {
-                let out = core::slice::from_raw_parts_mut(p.o.add(Plan::off(p.os, b, h, i)), s.dv);
+                let dst = p.o.add(off(p.os, b, h, i));
+                let out = if O::DTYPE == Dtype::F32 {
+                    core::slice::from_raw_parts_mut(dst.cast::<f32>(), s.dv)
+                } else {
+                    &mut row[..s.dv]
+                };
                 let sink = p.sinks.map(|p| *p.add(h));
                 let lse = merge_partials(
-                    &buf[(grp * chunks * rows + r) * pl..],
+                    &buf_parts[(grp * chunks * rows + r) * pl..],
                     per_task,
                     chunks,
                     sink,
                     out,
                 );
+                if O::DTYPE != Dtype::F32 {
+                    for (c, x) in row[..s.dv].iter().enumerate() {
+                        *dst.add(c) = O::from_f32(*x);
+                    }
+                }
                 if !p.lse.is_null() {
                     *p.lse.add((b * s.hq + h) * s.lq + i) = lse;
                 }
@@ -89,7 +102,14 @@ pub(crate) fn run(p: &Plan, par: Par) {
 }
 
 /// Task `(grp, chunk)`: every query row of KV group `grp` over key chunk `chunk`, partials to `dst`.
-fn task(p: &Plan, grp: usize, chunk: usize, clen: usize, dst: *mut f32, pl: usize) {
+fn task<E: Operand, O: Elem>(
+    p: &Plan<E, O>,
+    grp: usize,
+    chunk: usize,
+    clen: usize,
+    dst: *mut f32,
+    pl: usize,
+) {
     let s = p.shape;
     let (b, hk) = (grp / s.hkv, grp % s.hkv);
     let g = s.hq / s.hkv;
@@ -108,7 +128,7 @@ fn task(p: &Plan, grp: usize, chunk: usize, clen: usize, dst: *mut f32, pl: usiz
                 let r = r0 + k;
                 let (h, i) = (hk * g + r / s.lq, r % s.lq);
                 // SAFETY: offset of a validated view (see `Plan::new`).
-                let q = unsafe { p.q.add(Plan::off(p.qs, b, h, i)) };
+                let q = unsafe { p.q.add(off(p.qs, b, h, i)) };
                 *row = DecodeRow {
                     q,
                     spec: p.spec(b, h, i),
@@ -119,10 +139,10 @@ fn task(p: &Plan, grp: usize, chunk: usize, clen: usize, dst: *mut f32, pl: usiz
                 d: s.d,
                 dv: s.dv,
                 // SAFETY: KV head `hk` of batch `b` is inside the validated views.
-                k: unsafe { p.k.add(Plan::off(p.ks, b, hk, 0)) },
+                k: unsafe { p.k.add(off(p.ks, b, hk, 0)) },
                 ldk: p.ks[2],
                 // SAFETY: as above.
-                v: unsafe { p.v.add(Plan::off(p.vs, b, hk, 0)) },
+                v: unsafe { p.v.add(off(p.vs, b, hk, 0)) },
                 ldv: p.vs[2],
                 j_begin,
                 j_end,
@@ -131,7 +151,7 @@ fn task(p: &Plan, grp: usize, chunk: usize, clen: usize, dst: *mut f32, pl: usiz
             };
             // SAFETY: rows, K/V and masks are in bounds for keys < j_end ≤ Lk; `dst` holds
             // `nrows` partial rows of `pl` floats owned by this task; the ISA was checked.
-            unsafe { decode_partial(p.isa, &args, dst.add(r0 * pl), pl, scratch) };
+            unsafe { E::decode_partial(p.isa, &args, dst.add(r0 * pl), pl, scratch) };
         }
     });
 }

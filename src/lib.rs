@@ -29,7 +29,7 @@ mod sdpa;
 pub mod unfused;
 mod view;
 
-pub use attnkit_kernels::{Isa, IsaError};
+pub use attnkit_kernels::{bf16, f16, Dtype, Elem, Isa, IsaError, Operand};
 pub use error::{AttnError, Result};
 pub use heads::{merge_heads, split_heads};
 pub use kv_cache::KvCache;

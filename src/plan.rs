@@ -7,7 +7,7 @@ use crate::error::{AttnError, Result};
 use crate::exec::resolve_isa;
 use crate::options::{Causal, Extras, Kernel, MaskRef, SdpaOptions};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::{visible_range, Alibi, Isa, ScoreSpec};
+use attnkit_kernels::{visible_range, Alibi, Elem, Isa, ScoreSpec};
 
 /// Whether [`Kernel::Auto`] picks the decode kernel for `lq` queries against `lk` keys. The
 /// decode kernel reads K and V once per GQA group but pays a reduction per (row, key); the tiled
@@ -41,21 +41,22 @@ pub(crate) struct MaskPlan<T> {
     pub(crate) strides: [usize; 3],
 }
 
-/// Everything validated, as raw parts the tasks can share.
-pub(crate) struct Plan {
+/// Everything validated, as raw parts the tasks can share: Q, K and V of element type `E`, the
+/// output of `O`.
+pub(crate) struct Plan<E = f32, O = f32> {
     pub(crate) isa: Isa,
     pub(crate) shape: Shape,
     pub(crate) scale: f32,
     pub(crate) causal: Option<Causal>,
     pub(crate) window: Option<usize>,
     pub(crate) kernel: Kernel,
-    pub(crate) q: *const f32,
+    pub(crate) q: *const E,
     pub(crate) qs: [usize; 3],
-    pub(crate) k: *const f32,
+    pub(crate) k: *const E,
     pub(crate) ks: [usize; 3],
-    pub(crate) v: *const f32,
+    pub(crate) v: *const E,
     pub(crate) vs: [usize; 3],
-    pub(crate) o: *mut f32,
+    pub(crate) o: *mut O,
     pub(crate) os: [usize; 3],
     pub(crate) bias: Option<MaskPlan<f32>>,
     pub(crate) mask: Option<MaskPlan<bool>>,
@@ -71,7 +72,7 @@ pub(crate) struct Plan {
 // SAFETY: the pointers come from borrows that outlive the `Plan` (it lives inside `sdpa_ext`),
 // inputs are only read, and every task writes a disjoint set of output rows (checked by
 // `check_disjoint` for `out`; `lse` and `weights` are dense and indexed by the task's rows).
-unsafe impl Sync for Plan {}
+unsafe impl<E: Elem, O: Elem> Sync for Plan<E, O> {}
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Shape {
@@ -138,16 +139,21 @@ fn mask_plan<T>(m: &MaskRef<T>, arg: &'static str, s: &Shape) -> Result<MaskPlan
     })
 }
 
-impl Plan {
+/// `(b, h, row)` offset into a `(B, H, L, ·)` view with strides `st`.
+pub(crate) fn off(st: [usize; 3], b: usize, h: usize, r: usize) -> usize {
+    b * st[0] + h * st[1] + r * st[2]
+}
+
+impl<E: Elem, O: Elem> Plan<E, O> {
     /// Validates everything and binds `out` as the destination.
     pub(crate) fn new(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &mut TensorMut,
+        q: &Tensor<E>,
+        k: &Tensor<E>,
+        v: &Tensor<E>,
+        out: &mut TensorMut<O>,
         opts: &SdpaOptions,
         extras: &mut Extras,
-    ) -> Result<Plan> {
+    ) -> Result<Self> {
         let mut plan = Plan::validate(q, k, v, out.shape, opts, extras)?;
         check_len("out", out.data.len(), out.shape, out.strides)?;
         check_disjoint("out", out.shape, out.strides)?;
@@ -159,13 +165,13 @@ impl Plan {
     /// Validates the inputs, options and extras against an output of shape `out_shape`; the
     /// returned plan has no destination yet (null `o`).
     pub(crate) fn validate(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        q: &Tensor<E>,
+        k: &Tensor<E>,
+        v: &Tensor<E>,
         out_shape: [usize; 4],
         opts: &SdpaOptions,
         extras: &mut Extras,
-    ) -> Result<Plan> {
+    ) -> Result<Self> {
         let extras_weights = extras.weights.is_some();
         let isa = resolve_isa(opts.isa)?;
         let [b, hq, lq, d] = q.shape;
@@ -298,7 +304,7 @@ impl Plan {
             }
             weights = buf.as_mut_ptr();
         }
-        let strides = |width: usize, t: &Tensor| used_strides(width, t.shape, t.strides);
+        let strides = |width: usize, t: &Tensor<E>| used_strides(width, t.shape, t.strides);
         Ok(Plan {
             isa,
             shape,
@@ -339,11 +345,6 @@ impl Plan {
         .fold(1usize, |a, &x| a.saturating_mul(x))
     }
 
-    /// `(b, h, row)` offset into a `(B, H, L, ·)` view with strides `st`.
-    pub(crate) fn off(st: [usize; 3], b: usize, h: usize, r: usize) -> usize {
-        b * st[0] + h * st[1] + r * st[2]
-    }
-
     /// Causal offset of batch `b`: key `j` visible to query `i` iff `j ≤ i + offset`.
     pub(crate) fn causal_off(&self, b: usize) -> Option<isize> {
         self.causal.map(|c| self.offset(b, c))
@@ -366,7 +367,7 @@ impl Plan {
     /// row `row0`), ALiBi (aligned as the causal mask is, bottom-right without one), softcap and
     /// sink.
     pub(crate) fn spec(&self, b: usize, h: usize, row0: usize) -> ScoreSpec {
-        let at = |st: [usize; 3]| Plan::off(st, b, h, row0);
+        let at = |st: [usize; 3]| off(st, b, h, row0);
         // SAFETY: (pointer offsets) rows `< Lq` of validated, in-bounds masks; `h < Hq` entries
         // of the per-head slopes and sinks.
         unsafe {

@@ -3,9 +3,9 @@
 
 use crate::exec::{parallel, run_tasks};
 use crate::options::Par;
-use crate::plan::Plan;
+use crate::plan::{off, Plan};
 use crate::scratch::with_scratch;
-use attnkit_kernels::{flash_forward, scratch_len, FlashArgs};
+use attnkit_kernels::{scratch_len, Dtype, Elem, FlashArgs, Operand};
 
 /// Query rows per task: enough to amortise packing each K/V block, few enough that long
 /// sequences give every core many tasks. Depends on the shape only, never on the thread count,
@@ -23,11 +23,11 @@ const Q_BLOCK_TALL: usize = 192;
 const KV_L2_BYTES: usize = 1 << 20;
 
 /// Query rows per task (see [`Q_BLOCK_TALL`]).
-fn q_block(p: &Plan) -> usize {
+fn q_block<E, O>(p: &Plan<E, O>) -> usize {
     let s = &p.shape;
     let kv =
         s.lk.saturating_mul(s.d.saturating_add(s.dv))
-            .saturating_mul(4);
+            .saturating_mul(core::mem::size_of::<E>());
     if p.causal.is_none() && kv > KV_L2_BYTES {
         Q_BLOCK_TALL
     } else {
@@ -35,16 +35,23 @@ fn q_block(p: &Plan) -> usize {
     }
 }
 
-fn q_blocks(p: &Plan) -> usize {
+fn q_blocks<E, O>(p: &Plan<E, O>) -> usize {
     p.shape.lq.div_ceil(q_block(p))
 }
 
 /// Runs every (batch, head, query block) task of `p` (the prefill kernel; `p` has work to do).
-pub(crate) fn run(p: &Plan, par: Par) {
+pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
     let s = &p.shape;
     let (nqb, group) = (q_blocks(p), s.hq / s.hkv);
     let n = s.b * s.hq * nqb;
-    let len = scratch_len(q_block(p).min(s.lq), s.d, s.dv);
+    let rows = q_block(p).min(s.lq);
+    // A 16-bit output is written by the kernel into f32 scratch and rounded from there.
+    let staged = if O::DTYPE == Dtype::F32 {
+        0
+    } else {
+        rows * s.dv
+    };
+    let len = scratch_len(rows, s.d, s.dv) + staged;
     if parallel(par, n, p.work()) {
         // Later query blocks first: under a causal mask they are the expensive ones, and
         // rayon hands out ranges front to back.
@@ -71,12 +78,28 @@ pub(crate) fn run(p: &Plan, par: Par) {
 }
 
 /// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of at
-/// least `scratch_len(q_block, D, Dv)` floats.
-fn task(p: &Plan, b: usize, h: usize, hk: usize, qb: usize, scratch: &mut [f32]) {
+/// least `scratch_len(q_block, D, Dv)` floats, plus `q_block·Dv` for an output not in f32.
+fn task<E: Operand, O: Elem>(
+    p: &Plan<E, O>,
+    b: usize,
+    h: usize,
+    hk: usize,
+    qb: usize,
+    scratch: &mut [f32],
+) {
     let s = &p.shape;
     let row0 = qb * q_block(p);
     let m = q_block(p).min(s.lq - row0);
-    let off3 = Plan::off;
+    let out = off(p.os, b, h, row0);
+    let (scratch, staged) = scratch.split_at_mut(scratch_len(m, s.d, s.dv));
+    // The kernel's destination: `out` itself in f32, else `m` dense rows of `staged`.
+    let (o, ldo) = if O::DTYPE == Dtype::F32 {
+        // SAFETY: offset inside the validated view; `O` is f32 here.
+        (unsafe { p.o.add(out) }.cast::<f32>(), p.os[2])
+    } else {
+        (staged.as_mut_ptr(), s.dv)
+    };
+    let off3 = off;
     // SAFETY: (pointer offsets below) every offset addresses an element inside its buffer,
     // as validated by `check_len` / the dense-length checks in `Plan::new`.
     let args = unsafe {
@@ -93,8 +116,8 @@ fn task(p: &Plan, b: usize, h: usize, hk: usize, qb: usize, scratch: &mut [f32])
             ldk: p.ks[2],
             v: p.v.add(off3(p.vs, b, hk, 0)),
             ldv: p.vs[2],
-            o: p.o.add(off3(p.os, b, h, row0)),
-            ldo: p.os[2],
+            o,
+            ldo,
             lse: if p.lse.is_null() {
                 p.lse
             } else {
@@ -110,5 +133,15 @@ fn task(p: &Plan, b: usize, h: usize, hk: usize, qb: usize, scratch: &mut [f32])
     };
     // SAFETY: `args` describes validated, in-bounds extents; this task's output rows (out,
     // lse, weights) are disjoint from every other task's; the ISA was checked.
-    unsafe { flash_forward(p.isa, &args, scratch) }
+    unsafe { E::flash_forward(p.isa, &args, scratch) }
+    if O::DTYPE != Dtype::F32 {
+        for r in 0..m {
+            // SAFETY: row `row0 + r` of this task's output view (validated, disjoint from
+            // every other task's rows), `Dv` elements.
+            let dst = unsafe { core::slice::from_raw_parts_mut(p.o.add(out + r * p.os[2]), s.dv) };
+            for (d, x) in dst.iter_mut().zip(&staged[r * s.dv..(r + 1) * s.dv]) {
+                *d = O::from_f32(*x);
+            }
+        }
+    }
 }

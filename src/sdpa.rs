@@ -6,6 +6,7 @@ use crate::error::Result;
 use crate::options::{Extras, Kernel, Par, SdpaOptions};
 use crate::plan::Plan;
 use crate::view::{Tensor, TensorMut};
+use attnkit_kernels::{Elem, Operand};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + mask)·V`, written into `out`.
 ///
@@ -19,6 +20,13 @@ use crate::view::{Tensor, TensorMut};
 ///
 /// Writes only the elements of `out` inside its view and allocates nothing (scratch is kept per
 /// thread and reused).
+///
+/// **Element types.** Q, K and V are all `f32`, all [`bf16`](crate::bf16) or all
+/// [`f16`](struct@crate::f16) (a type shared at compile time, so operands cannot disagree);
+/// `out` is `f32` or any of them. The kernels widen 16-bit inputs exactly on load and compute in
+/// f32 (scores, softmax, running max and sum, the output accumulator), so a bf16/f16 call
+/// returns in f32 what the f32 call returns on the widened values, bit for bit; a 16-bit `out`
+/// is that result rounded once (to nearest even). `lse` and `weights` are always f32.
 ///
 /// # Errors
 /// [`AttnError`](crate::AttnError) naming the argument and sizes for: a dimension that disagrees between q, k, v,
@@ -43,25 +51,30 @@ use crate::view::{Tensor, TensorMut};
 /// assert!((out[0] - 0.1).abs() < 1e-6);
 /// # Ok::<(), attnkit::AttnError>(())
 /// ```
-pub fn sdpa(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut TensorMut,
+pub fn sdpa<E: Operand, O: Elem>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &mut TensorMut<O>,
     opts: &SdpaOptions,
 ) -> Result<()> {
     sdpa_ext(q, k, v, out, opts, Extras::default())
 }
 
-/// [`sdpa`] returning a new dense `(B, Hq, Lq, Dv)` buffer.
+/// [`sdpa`] returning a new dense `(B, Hq, Lq, Dv)` f32 buffer.
 ///
 /// # Errors
 /// As [`sdpa`].
-pub fn sdpa_vec(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
+pub fn sdpa_vec<E: Operand>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    opts: &SdpaOptions,
+) -> Result<Vec<f32>> {
     let [b, hq, lq, _] = q.shape;
     let shape = [b, hq, lq, v.shape[3]];
     // Validate before allocating: a bad argument is reported as such, not as a failed allocation.
-    Plan::validate(q, k, v, shape, opts, &mut Extras::default())?;
+    Plan::<E, f32>::validate(q, k, v, shape, opts, &mut Extras::default())?;
     let mut buf = zeros_for("out", &shape)?;
     sdpa(q, k, v, &mut TensorMut::bhld(&mut buf, shape), opts)?;
     Ok(buf)
@@ -72,11 +85,11 @@ pub fn sdpa_vec(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Resul
 /// # Errors
 /// As [`sdpa`], plus a wrong length of `extras.lse` (`B·Hq·Lq`) or `extras.weights`
 /// (`B·Hq·Lq·Lk`).
-pub fn sdpa_ext(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut TensorMut,
+pub fn sdpa_ext<E: Operand, O: Elem>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &mut TensorMut<O>,
     opts: &SdpaOptions,
     mut extras: Extras,
 ) -> Result<()> {
@@ -86,7 +99,7 @@ pub fn sdpa_ext(
 }
 
 /// Runs a validated plan: the cases with nothing to compute, then the driver of its kernel.
-fn execute(p: &Plan, par: Par) {
+fn execute<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
     let s = &p.shape;
     if s.b == 0 || s.hq == 0 || s.lq == 0 {
         return;
@@ -111,7 +124,7 @@ fn execute(p: &Plan, par: Par) {
 /// The logsumexp of rows with `D = Dv = 0` and no mask: every visible score is 0, so it is
 /// the log of the visible key count, found without walking the keys (the views are empty,
 /// so nothing else bounds `Lk`).
-fn run_lse_only(p: &Plan) {
+fn run_lse_only<E: Elem, O: Elem>(p: &Plan<E, O>) {
     let s = &p.shape;
     for b in 0..s.b {
         for h in 0..s.hq {

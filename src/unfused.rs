@@ -10,7 +10,7 @@ use crate::exec::run_tasks;
 use crate::gemm::sgemm;
 pub use crate::gemm::Backend;
 use crate::options::SdpaOptions;
-use crate::plan::Plan;
+use crate::plan::{off, Plan};
 use crate::scratch::with_scratch;
 use crate::view::{Tensor, TensorMut};
 use crate::Extras;
@@ -105,10 +105,10 @@ fn head(p: &Plan, bh: usize, backend: Backend) {
         // `Lq` rows of `Lk` keys); this head's output rows are disjoint from every other head's;
         // `sc` holds Lq·Lk elements.
         unsafe {
-            let q = p.q.add(Plan::off(p.qs, b, h, 0));
-            let k = p.k.add(Plan::off(p.ks, b, hk, 0));
-            let v = p.v.add(Plan::off(p.vs, b, hk, 0));
-            let o = p.o.add(Plan::off(p.os, b, h, 0));
+            let q = p.q.add(off(p.qs, b, h, 0));
+            let k = p.k.add(off(p.ks, b, hk, 0));
+            let v = p.v.add(off(p.vs, b, hk, 0));
+            let o = p.o.add(off(p.os, b, h, 0));
             let (lq, lk, d, dv) = (s.lq, s.lk, s.d, s.dv);
             // S = scale · Q · Kᵀ: Kᵀ is K read with swapped strides.
             sgemm(

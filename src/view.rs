@@ -1,8 +1,10 @@
-//! Borrowed 4-D views `(B, H, L, D)` over f32 slices: a shape plus strides for B, H and L, the
-//! last dimension contiguous. Building a view never copies and never fails; the attention call
-//! validates it (and names it) before any kernel runs.
+//! Borrowed 4-D views `(B, H, L, D)` over slices of `f32`, `bf16` or `f16` (f32 unless said): a
+//! shape plus strides (in elements) for B, H and L, the last dimension contiguous. Building a
+//! view never copies and never fails; the attention call validates it (and names it) before any
+//! kernel runs.
 
 use crate::error::{AttnError, Result};
+use attnkit_kernels::Elem;
 
 /// Memory order of a `(B, H, L, D)` tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,11 +30,12 @@ impl Layout {
     }
 }
 
-/// A read-only `(B, H, L, D)` view. Element `(b, h, l, x)` is at
+/// A read-only `(B, H, L, D)` view of elements `E` (`f32`, [`bf16`](crate::bf16) or
+/// [`f16`](struct@crate::f16)). Element `(b, h, l, x)` is at
 /// `b·strides[0] + h·strides[1] + l·strides[2] + x`.
-#[derive(Clone, Copy, Debug)]
-pub struct Tensor<'a> {
-    pub(crate) data: &'a [f32],
+#[derive(Debug)]
+pub struct Tensor<'a, E = f32> {
+    pub(crate) data: &'a [E],
     pub(crate) shape: [usize; 4],
     pub(crate) strides: [usize; 3],
 }
@@ -40,15 +43,23 @@ pub struct Tensor<'a> {
 /// A writable `(B, H, L, D)` view, as [`Tensor`]. Elements outside the view (padding between
 /// rows) are never written.
 #[derive(Debug)]
-pub struct TensorMut<'a> {
-    pub(crate) data: &'a mut [f32],
+pub struct TensorMut<'a, E = f32> {
+    pub(crate) data: &'a mut [E],
     pub(crate) shape: [usize; 4],
     pub(crate) strides: [usize; 3],
 }
 
-impl<'a> Tensor<'a> {
+// Manual: a derive would ask `E: Clone`; a view is a borrow whatever it points at.
+impl<E> Clone for Tensor<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for Tensor<'_, E> {}
+
+impl<'a, E: Elem> Tensor<'a, E> {
     /// A dense tensor of logical shape `(B, H, L, D)` stored in `layout` order.
-    pub fn new(data: &'a [f32], shape: [usize; 4], layout: Layout) -> Self {
+    pub fn new(data: &'a [E], shape: [usize; 4], layout: Layout) -> Self {
         Tensor {
             data,
             shape,
@@ -56,16 +67,16 @@ impl<'a> Tensor<'a> {
         }
     }
     /// Dense `(B, H, L, D)`, heads before sequence.
-    pub fn bhld(data: &'a [f32], shape: [usize; 4]) -> Self {
+    pub fn bhld(data: &'a [E], shape: [usize; 4]) -> Self {
         Self::new(data, shape, Layout::Bhld)
     }
     /// Dense `(B, L, H, D)` memory read as logical `(B, H, L, D)`.
-    pub fn blhd(data: &'a [f32], shape: [usize; 4]) -> Self {
+    pub fn blhd(data: &'a [E], shape: [usize; 4]) -> Self {
         Self::new(data, shape, Layout::Blhd)
     }
     /// Any strides for B, H, L (the D axis is contiguous). Lets Q, K and V be views into one packed
     /// QKV projection buffer, e.g. `(B, L, 3, H, D)` with `strides = [L·3·H·D, D, 3·H·D]`.
-    pub fn strided(data: &'a [f32], shape: [usize; 4], strides: [usize; 3]) -> Self {
+    pub fn strided(data: &'a [E], shape: [usize; 4], strides: [usize; 3]) -> Self {
         Tensor {
             data,
             shape,
@@ -78,9 +89,9 @@ impl<'a> Tensor<'a> {
     }
 }
 
-impl<'a> TensorMut<'a> {
+impl<'a, E: Elem> TensorMut<'a, E> {
     /// A dense tensor of logical shape `(B, H, L, D)` stored in `layout` order.
-    pub fn new(data: &'a mut [f32], shape: [usize; 4], layout: Layout) -> Self {
+    pub fn new(data: &'a mut [E], shape: [usize; 4], layout: Layout) -> Self {
         TensorMut {
             data,
             shape,
@@ -88,15 +99,15 @@ impl<'a> TensorMut<'a> {
         }
     }
     /// Dense `(B, H, L, D)`.
-    pub fn bhld(data: &'a mut [f32], shape: [usize; 4]) -> Self {
+    pub fn bhld(data: &'a mut [E], shape: [usize; 4]) -> Self {
         Self::new(data, shape, Layout::Bhld)
     }
     /// Dense `(B, L, H, D)` memory written as logical `(B, H, L, D)`: the multi-head concat.
-    pub fn blhd(data: &'a mut [f32], shape: [usize; 4]) -> Self {
+    pub fn blhd(data: &'a mut [E], shape: [usize; 4]) -> Self {
         Self::new(data, shape, Layout::Blhd)
     }
     /// Any non-overlapping strides for B, H, L (validated by the call that writes it).
-    pub fn strided(data: &'a mut [f32], shape: [usize; 4], strides: [usize; 3]) -> Self {
+    pub fn strided(data: &'a mut [E], shape: [usize; 4], strides: [usize; 3]) -> Self {
         TensorMut {
             data,
             shape,

@@ -14,7 +14,8 @@
 mod common;
 
 use attnkit::{
-    sdpa, sdpa_ext, unfused, Causal, Extras, Isa, Kernel, MaskRef, SdpaOptions, Tensor, TensorMut,
+    bf16, f16, sdpa, sdpa_ext, unfused, Causal, Extras, Isa, Kernel, MaskRef, Operand, SdpaOptions,
+    Tensor, TensorMut,
 };
 use common::{compare, from_blhd, isas, to_blhd, ATOL, RTOL};
 use std::path::{Path, PathBuf};
@@ -1124,5 +1125,165 @@ fn every_sdpa_case_in_tests_data_is_tested() {
                 );
             }
         }
+    }
+}
+
+// Low precision (kind `sdpa_lowp`): bf16 / f16 inputs drawn in f32 and rounded, the f64 output
+// of exactly those inputs, and PyTorch's own bf16 / f16 SDPA output. With f32 output ours is the
+// f32 kernel on the widened inputs (within the f32 tolerance of the f64 golden); with 16-bit
+// output its max and mean errors must each stay within 1.5× PyTorch's, measured the same way
+// (against out.f64, from the copied PyTorch output), on every ISA and both kernels.
+
+const LOWP_CASES: [&str; 5] = [
+    "sdpa_bf16_basic",
+    "sdpa_bf16_causal_gqa",
+    "sdpa_bf16_decode",
+    "sdpa_f16_basic",
+    "sdpa_f16_causal",
+];
+
+impl Golden {
+    /// 16-bit values of `section.key` (dtype `tag`: bf16 or f16), read by `from_bits`.
+    fn halves<E>(&self, section: &str, key: &str, tag: &str, from_bits: fn(u16) -> E) -> Vec<E> {
+        let (b, _) = self.raw(section, key, tag, 2);
+        b.chunks_exact(2)
+            .map(|c| from_bits(u16::from_le_bytes([c[0], c[1]])))
+            .collect()
+    }
+}
+
+/// Max and mean |got − want|.
+fn abs_errs(got: impl Iterator<Item = f64>, want: &[f64]) -> (f64, f64) {
+    let (mut max, mut sum) = (0.0f64, 0.0f64);
+    for (g, w) in got.zip(want) {
+        let e = (g - w).abs();
+        assert!(!e.is_nan(), "NaN in a low-precision result");
+        max = max.max(e);
+        sum += e;
+    }
+    (max, sum / want.len() as f64)
+}
+
+fn check_lowp_case<E: Operand>(name: &str, tag: &str, from_bits: fn(u16) -> E) {
+    let g = Golden::open(name);
+    assert_eq!(g.meta.at("kind").str(), "sdpa_lowp", "{name}: kind");
+    assert_eq!(g.param("input_dtype").str(), tag, "{name}: input dtype");
+    assert!(g.param("scale").is_null(), "{name}: custom scale");
+    let p = |k: &str| g.param(k).usize();
+    let (b, h, hkv, lq, lk, d) = (p("B"), p("H"), p("H_kv"), p("Lq"), p("Lk"), p("D"));
+    let input = |key: &str| g.halves("inputs", &format!("{key}_{tag}"), tag, from_bits);
+    let (q, k, v) = (input("q"), input("k"), input("v"));
+    let (qs, ks) = ([b, h, lq, d], [b, hkv, lk, d]);
+    let dv = v.len() / (b * hkv * lk);
+    let (vs, os) = ([b, hkv, lk, dv], [b, h, lq, dv]);
+    let (want, _) = g.f64_out("out_f64").expect("out_f64");
+    let (want_lse, _) = g.f64_out("lse_f64").expect("lse_f64");
+    let torch = g.halves("outputs", &format!("out_torch_{tag}"), tag, from_bits);
+    let (torch_max, torch_mean) = abs_errs(torch.iter().map(|x| x.to_f32() as f64), &want);
+    let mut opts = SdpaOptions::new();
+    if g.param("is_causal").bool() {
+        // The cases are square, where both alignments agree.
+        assert_eq!(lq, lk, "{name}: causal cases are square");
+        opts = opts.causal(Causal::TopLeft);
+    }
+    let mut report = vec![format!(
+        "golden {name:<22} PyTorch {tag}: max {torch_max:8.2e} mean {torch_mean:8.2e}"
+    )];
+    for isa in isas() {
+        for kernel in [Kernel::Prefill, Kernel::Decode] {
+            let o = opts.isa(isa).kernel(kernel);
+            let (tq, tk, tv) = (
+                Tensor::bhld(&q, qs),
+                Tensor::bhld(&k, ks),
+                Tensor::bhld(&v, vs),
+            );
+            let at = format!("{name} {isa} {kernel:?}");
+            // f32 output, and the logsumexp.
+            let mut out = vec![f32::NAN; os.iter().product()];
+            let mut lse = vec![f32::NAN; b * h * lq];
+            let extras = Extras {
+                lse: Some(&mut lse),
+                weights: None,
+            };
+            sdpa_ext(
+                &tq,
+                &tk,
+                &tv,
+                &mut TensorMut::bhld(&mut out, os),
+                &o,
+                extras,
+            )
+            .unwrap();
+            for (got, want, what) in [(&out, &want, "out (f32)"), (&lse, &want_lse, "lse")] {
+                let (max, bad, first) = compare(got, want);
+                assert!(
+                    first.is_none(),
+                    "{at} {what}: {bad} elements outside {ATOL:e} + {RTOL:e}·|golden|, max {max:e}"
+                );
+            }
+            // Output in the input's type.
+            let mut half = vec![from_bits(0x7e00); os.iter().product()];
+            sdpa(&tq, &tk, &tv, &mut TensorMut::bhld(&mut half, os), &o).unwrap();
+            let (max, mean) = abs_errs(half.iter().map(|x| x.to_f32() as f64), &want);
+            report.push(format!(
+                "golden {name:<22} {:<7} {kernel:<8?} {tag} out: max {max:8.2e} mean {mean:8.2e}",
+                isa.name()
+            ));
+            assert!(
+                max <= 1.5 * torch_max && mean <= 1.5 * torch_mean,
+                "{at}: {tag} output error max {max:e} / mean {mean:e} against PyTorch's \
+                 {torch_max:e} / {torch_mean:e} (bar: 1.5×)"
+            );
+            for (x, y) in half.iter().zip(&out) {
+                assert_eq!(
+                    x.to_f32().to_bits(),
+                    E::from_f32(*y).to_f32().to_bits(),
+                    "{at}: {tag} output is the f32 one rounded"
+                );
+            }
+        }
+    }
+    eprintln!("\n{}", report.join("\n"));
+}
+
+macro_rules! lowp_golden_tests {
+    ($($case:ident: $t:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                check_lowp_case(stringify!($case), stringify!($t), $t::from_bits);
+            }
+        )*
+        #[test]
+        fn the_lowp_test_list_matches_cases() {
+            assert_eq!([$(stringify!($case)),*], LOWP_CASES);
+        }
+    };
+}
+
+lowp_golden_tests!(
+    sdpa_bf16_basic: bf16,
+    sdpa_bf16_causal_gqa: bf16,
+    sdpa_bf16_decode: bf16,
+    sdpa_f16_basic: f16,
+    sdpa_f16_causal: f16,
+);
+
+/// Every low-precision case in `tests/data` is in [`LOWP_CASES`] (each has its test above), and
+/// every one of the shared set was copied.
+#[test]
+fn every_lowp_case_is_copied_and_tested() {
+    let (ours, shared) = cases_of_kinds(&["sdpa_lowp"]);
+    let mut cases: Vec<String> = LOWP_CASES.iter().map(|s| s.to_string()).collect();
+    cases.sort();
+    assert_eq!(
+        ours, cases,
+        "the sdpa_lowp cases in tests/data and LOWP_CASES disagree"
+    );
+    if let Some(shared) = shared {
+        assert_eq!(
+            shared, cases,
+            "shared sdpa_lowp cases not all copied into tests/data"
+        );
     }
 }

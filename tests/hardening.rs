@@ -226,10 +226,10 @@ fn empty_rows_with_huge_key_count_return_at_once() {
             }
             let mut lse = vec![0.0f32; 2];
             sdpa_ext(
-                &Tensor::bhld(&[], [1, 1, 2, 0]),
-                &Tensor::bhld(&[], [1, 1, lk, 0]),
-                &Tensor::bhld(&[], [1, 1, lk, 0]),
-                &mut TensorMut::bhld(&mut [], [1, 1, 2, 0]),
+                &Tensor::bhld(&[0.0f32; 0], [1, 1, 2, 0]),
+                &Tensor::bhld(&[0.0f32; 0], [1, 1, lk, 0]),
+                &Tensor::bhld(&[0.0f32; 0], [1, 1, lk, 0]),
+                &mut TensorMut::bhld(&mut [0.0f32; 0], [1, 1, 2, 0]),
                 &opts,
                 Extras {
                     lse: Some(&mut lse),
@@ -257,10 +257,10 @@ fn kv_cache_append_of_empty_rows_is_bounded() {
     let cap = 1usize << 62;
     let mut cache = KvCache::new(1, 1, cap, 0, 0).unwrap();
     let t = 1usize << 61;
-    let e = Tensor::bhld(&[], [1, 1, t, 0]);
+    let e = Tensor::bhld(&[0.0f32; 0], [1, 1, t, 0]);
     cache.append(&e, &e).unwrap();
     assert_eq!(cache.lens(), [t]);
-    let big = Tensor::bhld(&[], [1, 1, usize::MAX - 1, 0]);
+    let big = Tensor::bhld(&[0.0f32; 0], [1, 1, usize::MAX - 1, 0]);
     assert!(matches!(
         cache.append(&big, &big),
         Err(AttnError::Capacity { batch: 0, .. })
@@ -280,7 +280,7 @@ fn kv_cache_append_of_strided_empty_keys() {
     let mut out = [0.0f32];
     cache
         .attend(
-            &Tensor::bhld(&[], [1, 1, 1, 0]),
+            &Tensor::bhld(&[0.0f32; 0], [1, 1, 1, 0]),
             &mut TensorMut::bhld(&mut out, [1, 1, 1, 1]),
             &SdpaOptions::new(),
         )
@@ -332,7 +332,7 @@ fn kv_cache_with_no_sequences() {
     let mut out = [];
     cache
         .attend(
-            &Tensor::bhld(&[], [0, 4, 1, 16]),
+            &Tensor::bhld(&[0.0f32; 0], [0, 4, 1, 16]),
             &mut TensorMut::bhld(&mut out, [0, 4, 1, 16]),
             &SdpaOptions::new(),
         )
@@ -347,8 +347,8 @@ fn sdpa_vec_validates_then_allocates_fallibly() {
     let v = vec![0.0f32; 1 << 10];
     // 2^40 queries (D = 0, so Q needs no memory) × Dv = 2^10: a 4 PiB output.
     let (q, k) = (
-        Tensor::bhld(&[], [1, 1, 1 << 40, 0]),
-        Tensor::bhld(&[], [1, 1, 1, 0]),
+        Tensor::bhld(&[0.0f32; 0], [1, 1, 1 << 40, 0]),
+        Tensor::bhld(&[0.0f32; 0], [1, 1, 1, 0]),
     );
     let e = sdpa_vec(
         &q,
@@ -392,7 +392,7 @@ fn zero_sized_dimensions_with_huge_others() {
         &Tensor::bhld(&e, s),
         &Tensor::bhld(&e, s),
         &Tensor::bhld(&e, s),
-        &mut TensorMut::bhld(&mut [], s),
+        &mut TensorMut::bhld(&mut [0.0f32; 0], s),
         &opts,
     )
     .unwrap();
@@ -404,7 +404,7 @@ fn zero_sized_dimensions_with_huge_others() {
         &Tensor::bhld(&e, qs),
         &Tensor::bhld(&e, ks),
         &Tensor::bhld(&e, ks),
-        &mut TensorMut::bhld(&mut [], qs),
+        &mut TensorMut::bhld(&mut [0.0f32; 0], qs),
         &SdpaOptions::new().bool_mask(mask),
     )
     .unwrap();
@@ -413,7 +413,7 @@ fn zero_sized_dimensions_with_huge_others() {
         &Tensor::bhld(&e, [1, 1, 1, 0]),
         &Tensor::bhld(&e, [1, 1, usize::MAX, 0]),
         &Tensor::bhld(&e, [1, 1, usize::MAX, 0]),
-        &mut TensorMut::bhld(&mut [], [1, 1, 1, 0]),
+        &mut TensorMut::bhld(&mut [0.0f32; 0], [1, 1, 1, 0]),
         &SdpaOptions::new().causal(Causal::BottomRight),
     );
     assert!(matches!(r, Err(AttnError::Overflow { .. })), "{r:?}");

@@ -428,7 +428,7 @@ fn read_view(view: &Tensor) -> Option<Vec<f32>> {
         return Some(Vec::new());
     }
     let eye: Vec<bool> = (0..l * l).map(|n| n / l == n % l).collect();
-    let empty = Tensor::bhld(&[], [b, h, l, 0]);
+    let empty = Tensor::bhld(&[0.0f32; 0], [b, h, l, 0]);
     let opts = SdpaOptions::new()
         .bool_mask(MaskRef::new(&eye, [1, 1, l, l]))
         .kernel(Kernel::Prefill)

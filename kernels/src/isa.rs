@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 pub enum Isa {
     /// Portable blocked code (8-wide arrays the compiler vectorises for the baseline target).
     Scalar,
-    /// x86-64 AVX2 + FMA, 256-bit registers.
+    /// x86-64 AVX2 + FMA (and F16C, for f16 operands), 256-bit registers.
     Avx2,
     /// x86-64 AVX-512F, 512-bit registers.
     Avx512,
@@ -81,6 +81,7 @@ impl Isa {
             Isa::Avx2 => {
                 std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),

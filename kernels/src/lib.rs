@@ -6,9 +6,10 @@
 //! and the checks each safe function documents: the `attnkit` crate validates user input first.
 //!
 //! The flash and decode kernels read their operands as any [`Elem`] (`f32`, [`bf16`],
-//! [`f16`](struct@f16)), widened on load, and compute in f32: [`flash_forward`] and
-//! [`decode_partial`] are the f32 instances (compiled here), [`flash_forward_as`] and
-//! [`decode_partial_as`] the generic entry points (compiled where they are used).
+//! [`f16`](struct@f16)), widened on load, and compute in f32. [`Operand`] holds the instances
+//! compiled here (Q, K and V of one type; [`flash_forward`] and [`decode_partial`] are the f32
+//! ones); [`flash_forward_as`] and [`decode_partial_as`] are the generic entry points, for
+//! mixed types (compiled where they are used).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
@@ -55,9 +56,9 @@ macro_rules! isa_fn {
         unsafe fn $name$(<$($g: Elem),*>)?(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
             debug_assert!(isa.is_supported(), "{isa} is not supported on this CPU");
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2,fma")]
+            #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn avx2$(<$($g: Elem),*>)?($($arg: $ty),*) $(-> $ret)? {
-                // SAFETY: forwarded contract; AVX2+FMA enabled by the caller's check.
+                // SAFETY: forwarded contract; AVX2+FMA+F16C enabled by the caller's check.
                 unsafe { $gm::$gf::<x86_64::avx2::Avx2 $($(, $g)*)?>($($arg),*) }
             }
             #[cfg(target_arch = "x86_64")]
@@ -104,12 +105,12 @@ isa_fn!(block_isa<A, B>(m: usize, nvec: usize, kc: usize, chain: usize, a: *cons
 /// * `key_len ≤ n`; `scratch.len() ≥ scratch_len(m, d, dv)`.
 pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe { flash_forward_as(isa, args, scratch) }
+    unsafe { <f32 as Operand>::flash_forward(isa, args, scratch) }
 }
 
 /// [`flash_forward`] with Q read as `Q` and K, V as `KV` (widened to f32 on load; the rest is
-/// the same kernel). Generic, so each pair of types is compiled in the crate that uses it;
-/// [`flash_forward`] is the f32 instance, compiled here once.
+/// the same kernel). Generic, so each pair of types is compiled in the crate that uses it; the
+/// [`Operand`] instances (one type for all three) are compiled here once.
 ///
 /// # Safety
 /// As [`flash_forward`].
@@ -143,12 +144,12 @@ pub unsafe fn decode_partial(
     scratch: &mut [f32],
 ) {
     // SAFETY: forwarded contract.
-    unsafe { decode_partial_as(isa, args, partial, ldp, scratch) }
+    unsafe { <f32 as Operand>::decode_partial(isa, args, partial, ldp, scratch) }
 }
 
 /// [`decode_partial`] with the queries read as `Q` and K, V as `KV` (widened to f32 on load).
-/// Generic, so each pair of types is compiled in the crate that uses it; [`decode_partial`] is
-/// the f32 instance, compiled here once.
+/// Generic, so each pair of types is compiled in the crate that uses it; the [`Operand`]
+/// instances are compiled here once.
 ///
 /// # Safety
 /// As [`decode_partial`].
@@ -166,6 +167,54 @@ pub unsafe fn decode_partial_as<Q: Elem, KV: Elem>(
     // SAFETY: forwarded contract.
     unsafe { decode_isa(isa, args, partial, ldp, scratch) }
 }
+
+/// An element type whose flash and decode kernels, with Q, K and V all of that type, are
+/// compiled once in this crate: `f32`, [`bf16`] and [`f16`](struct@f16). Callers that are
+/// generic over the operand type dispatch through it rather than instantiating
+/// [`flash_forward_as`] themselves (each instance is minutes of build).
+pub trait Operand: Elem {
+    /// [`flash_forward`] for operands of this type.
+    ///
+    /// # Safety
+    /// As [`flash_forward`].
+    unsafe fn flash_forward(isa: Isa, args: &FlashArgs<Self, Self>, scratch: &mut [f32]);
+
+    /// [`decode_partial`] for operands of this type.
+    ///
+    /// # Safety
+    /// As [`decode_partial`].
+    unsafe fn decode_partial(
+        isa: Isa,
+        args: &DecodeArgs<Self, Self>,
+        partial: *mut f32,
+        ldp: usize,
+        scratch: &mut [f32],
+    );
+}
+
+macro_rules! operand {
+    ($($t:ty),*) => {$(
+        impl Operand for $t {
+            #[inline(never)]
+            unsafe fn flash_forward(isa: Isa, args: &FlashArgs<Self, Self>, scratch: &mut [f32]) {
+                // SAFETY: forwarded contract.
+                unsafe { flash_forward_as(isa, args, scratch) }
+            }
+            #[inline(never)]
+            unsafe fn decode_partial(
+                isa: Isa,
+                args: &DecodeArgs<Self, Self>,
+                partial: *mut f32,
+                ldp: usize,
+                scratch: &mut [f32],
+            ) {
+                // SAFETY: forwarded contract.
+                unsafe { decode_partial_as(isa, args, partial, ldp, scratch) }
+            }
+        }
+    )*};
+}
+operand!(f32, bf16, f16);
 
 /// Vectorised `x ← 2^x` (see the accuracy note on [`reference::exp2`]): ≤ 3 ulp on
 /// [-126, 127], flush to +0 below -126.5 (so `-inf → 0`), NaN propagates.

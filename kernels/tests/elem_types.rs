@@ -1,14 +1,14 @@
 //! The element-type seam: the flash and decode kernels read Q, K and V as bf16 or f16 through
-//! the same kernels, widening on load. Widening is exact, so a kernel given bf16/f16 operands
+//! the same kernels, widening on load (the `Operand` instances compiled in the crate). Widening is exact, so a kernel given bf16/f16 operands
 //! must return *bitwise* what it returns for f32 operands holding the widened values, on every
 //! ISA and on every path (both transposes, the direct one-block output, every decode walk and
 //! row count, the tails of D and Dv); one f64 check guards against both being wrong together.
 //! Set `ATTNKIT_REQUIRE_ISAS` to fail (not skip) when a path is missing.
 
 use attnkit_kernels::{
-    bf16, decode_partial, decode_partial_as, decode_scratch_len, f16, flash_forward,
-    flash_forward_as, merge_partials, partial_len, reference, scratch_len, DecodeArgs, DecodeRow,
-    DecodeWalk, Elem, FlashArgs, Isa, ScoreSpec,
+    bf16, decode_partial, decode_scratch_len, f16, flash_forward, merge_partials, partial_len,
+    reference, scratch_len, DecodeArgs, DecodeRow, DecodeWalk, Elem, FlashArgs, Isa, Operand,
+    ScoreSpec,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -73,21 +73,21 @@ fn flash<Q: Elem, KV: Elem>(
     (o, lse)
 }
 
-fn flash_case<Q: Elem, KV: Elem>(isa: Isa, rng: &mut SmallRng, s: &Shape) {
+fn flash_case<E: Operand>(isa: Isa, rng: &mut SmallRng, s: &Shape) {
     let lds = (s.d + 3, s.d + 1, s.dv + 2);
-    let (q, qf) = values::<Q>(rng, s.m * lds.0);
-    let (k, kf) = values::<KV>(rng, s.n * lds.1);
-    let (v, vf) = values::<KV>(rng, s.n * lds.2);
+    let (q, qf) = values::<E>(rng, s.m * lds.0);
+    let (k, kf) = values::<E>(rng, s.n * lds.1);
+    let (v, vf) = values::<E>(rng, s.n * lds.2);
     // SAFETY (both closures): `flash` passes buffers covering `m` rows of Q and O and `n` rows
     // of K and V at the strides given; the ISA is supported.
-    let generic = |a: &FlashArgs<Q, KV>, sc: &mut [f32]| unsafe { flash_forward_as(isa, a, sc) };
+    let generic = |a: &FlashArgs<E, E>, sc: &mut [f32]| unsafe { E::flash_forward(isa, a, sc) };
     let got = flash(generic, s, &q, &k, &v, lds);
     let f32 = |a: &FlashArgs, sc: &mut [f32]| unsafe { flash_forward(isa, a, sc) };
     let f32s = flash(f32, s, &qf, &kf, &vf, lds);
     let ctx = format!(
         "{isa} Q={:?} KV={:?} m={} n={} d={} dv={} causal={:?}",
-        Q::DTYPE,
-        KV::DTYPE,
+        E::DTYPE,
+        E::DTYPE,
         s.m,
         s.n,
         s.d,
@@ -153,9 +153,10 @@ fn flash_reads_bf16_and_f16_operands_exactly_as_their_f32_values() {
                 dv,
                 causal,
             };
-            // One instance (each compiles the kernel for every ISA and epilogue, minutes of
-            // build): bf16 Q, f16 K/V here; the decode test has f16 Q and bf16 K/V.
-            flash_case::<bf16, f16>(isa, &mut rng, &s);
+            // The instances compiled in the kernels crate (`Operand`): generic instances here
+            // would compile the kernel again for every ISA and epilogue, minutes each.
+            flash_case::<bf16>(isa, &mut rng, &s);
+            flash_case::<f16>(isa, &mut rng, &s);
         }
     }
 }
@@ -206,7 +207,7 @@ fn decode<Q: Elem, KV: Elem>(
     res
 }
 
-fn decode_case<Q: Elem, KV: Elem>(
+fn decode_case<E: Operand>(
     isa: Isa,
     rng: &mut SmallRng,
     walk: DecodeWalk,
@@ -214,13 +215,13 @@ fn decode_case<Q: Elem, KV: Elem>(
     ext: (usize, usize, usize),
 ) {
     let (n, d, dv) = ext;
-    let (q, qf) = values::<Q>(rng, rows * d);
-    let (k, kf) = values::<KV>(rng, n * d);
-    let (v, vf) = values::<KV>(rng, n * dv);
+    let (q, qf) = values::<E>(rng, rows * d);
+    let (k, kf) = values::<E>(rng, n * d);
+    let (v, vf) = values::<E>(rng, n * dv);
     // SAFETY (both closures): `decode` passes K, V covering `n` rows, Q `rows` rows and a
     // partial buffer of two chunks of `rows` partials; the ISA is supported.
-    let generic = |a: &DecodeArgs<Q, KV>, p: *mut f32, ldp: usize, sc: &mut [f32]| unsafe {
-        decode_partial_as(isa, a, p, ldp, sc)
+    let generic = |a: &DecodeArgs<E, E>, p: *mut f32, ldp: usize, sc: &mut [f32]| unsafe {
+        E::decode_partial(isa, a, p, ldp, sc)
     };
     let got = decode(generic, walk, &q, rows, &k, &v, ext);
     let f32 = |a: &DecodeArgs, p: *mut f32, ldp: usize, sc: &mut [f32]| unsafe {
@@ -229,8 +230,8 @@ fn decode_case<Q: Elem, KV: Elem>(
     let f32s = decode(f32, walk, &qf, rows, &kf, &vf, ext);
     let ctx = format!(
         "{isa} {walk:?} Q={:?} KV={:?} rows={rows} n={n} d={d} dv={dv}",
-        Q::DTYPE,
-        KV::DTYPE
+        E::DTYPE,
+        E::DTYPE
     );
     for (i, (g, w)) in got.iter().zip(&f32s).enumerate() {
         assert_eq!(g.to_bits(), w.to_bits(), "{ctx}: [{i}] {g} vs f32 {w}");
@@ -273,7 +274,8 @@ fn decode_reads_bf16_and_f16_operands_exactly_as_their_f32_values() {
         for walk in [DecodeWalk::Streams, DecodeWalk::Prefetch] {
             for rows in 1..=9 {
                 let ext = exts[rows % exts.len()];
-                decode_case::<f16, bf16>(isa, &mut rng, walk, rows, ext);
+                decode_case::<bf16>(isa, &mut rng, walk, rows, ext);
+                decode_case::<f16>(isa, &mut rng, walk, rows, ext);
             }
         }
     }

@@ -3,12 +3,13 @@
 use crate::simd::{Simd, SimdDiv};
 use core::arch::x86_64::*;
 
-/// Token for the AVX2+FMA path. Only use inside a `#[target_feature(enable = "avx2,fma")]` fn.
+/// Token for the AVX2+FMA path (with F16C, which every AVX2 CPU has). Only use inside a
+/// `#[target_feature(enable = "avx2,fma,f16c")]` fn.
 #[derive(Clone, Copy)]
 pub(crate) struct Avx2;
 
 // SAFETY: (whole impl) every method is only reached from functions compiled with
-// `target_feature(enable = "avx2,fma")`, entered after `Isa::Avx2.is_supported()`; the pointer
+// `target_feature(enable = "avx2,fma,f16c")`, entered after `Isa::Avx2.is_supported()`; the pointer
 // methods' callers guarantee 8 valid lanes.
 impl Simd for Avx2 {
     const W: usize = 8;
@@ -32,6 +33,11 @@ impl Simd for Avx2 {
             let h = _mm_loadu_si128(p.cast());
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const half::f16) -> __m256 {
+        // SAFETY: see the impl comment (8 values of 2 bytes at `p`; F16C is part of this level).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
     #[inline(always)]
     unsafe fn store(p: *mut f32, v: __m256) {
@@ -140,7 +146,7 @@ impl Simd for Avx2 {
 impl SimdDiv for Avx2 {
     #[inline(always)]
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V {
-        // SAFETY: only reached from `target_feature(enable = "avx2,fma")` code entered after
+        // SAFETY: only reached from `target_feature(enable = "avx2,fma,f16c")` code entered after
         // `Isa::Avx2.is_supported()` (see the `Simd` impl of `Avx2`).
         unsafe { _mm256_div_ps(a, b) }
     }

@@ -133,9 +133,9 @@ mod tests {
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn avx2() {
-        // SAFETY: AVX2+FMA enabled here and checked by the caller.
+        // SAFETY: AVX2+FMA+F16C enabled here and checked by the caller.
         unsafe { check_all::<super::avx2::Avx2>("avx2") }
     }
 
