@@ -1,9 +1,11 @@
 //! Operand element types: how the kernels read Q, K and V.
 //!
-//! The kernels are generic over the element type of their operands and compute in f32: a
-//! widening load is the only place a type appears, so adding one adds its load here (and, where
-//! an ISA converts faster than the portable default, an override in that ISA's `Simd` impl; see
-//! `Simd::load_as`), not a kernel copy. Scratch, scores, the softmax state and the output stay f32.
+//! The kernels read their operands as any of these types and compute in f32: a widening load is
+//! the only place a type appears, so adding one adds its load here (and, where an ISA converts
+//! faster than the portable default, an override in that ISA's `Simd` impl; see
+//! `Simd::load_as`), not a kernel copy. The decode kernel is generic over them (it widens in
+//! registers as it streams K and V); the flash kernel widens blocks into scratch and is compiled
+//! once for all of them. Scratch, scores, the softmax state and the output stay f32.
 
 use half::{bf16, f16};
 
@@ -17,6 +19,16 @@ pub enum Dtype {
     Bf16,
     /// IEEE binary16.
     F16,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
+        }
+    }
 }
 
 mod sealed {
@@ -81,14 +93,4 @@ impl Elem for f16 {
 pub(crate) unsafe fn get<E: Elem>(p: *const E) -> f32 {
     // SAFETY: forwarded contract.
     unsafe { (*p).to_f32() }
-}
-
-/// `p` as an f32 pointer when `E` is f32, for the kernels' f32-only fast paths (the Q
-/// transpose's shuffles).
-#[inline(always)]
-pub(crate) fn as_f32<E: Elem>(p: *const E) -> Option<*const f32> {
-    match E::DTYPE {
-        Dtype::F32 => Some(p.cast()),
-        _ => None,
-    }
 }

@@ -1,7 +1,8 @@
 //! The fused attention forward pass for one block of query rows of one head.
 //!
 //! Streams the keys in blocks of `nb`. Tiles are transposed, queries along the SIMD axis:
-//! `Sᵀ = K·Q̂ᵀ` (one GEMM into an `nb × m` tile, K read in place), mask, online softmax with
+//! `Sᵀ = K·Q̂ᵀ` (one GEMM into an `nb × m` tile, K read in place; 16-bit K and V widened per
+//! block), mask, online softmax with
 //! *vertical* reductions (running max `mᵢ` and sum `lᵢ` per query lane; `Oᵀ` rescaled by
 //! `α = 2^(m_old − m_new)` only when some max rose), then `Oᵀ += Vᵀ·Pᵀ` (V read in place). Q̂ᵀ
 //! is packed once per query block and `Oᵀ` transposed once at the end, so nothing is packed per
@@ -13,10 +14,11 @@
 //! Scores are kept in base-2 units: Q̂ is Q pre-multiplied by `scale·log2(e)`, so the exponent is
 //! a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
 
-use crate::elem::{as_f32, get, Elem};
+use crate::elem::{get, Dtype, Elem};
 use crate::gemm::{Accum, Epilogue, Plain, Softcap, Tiles};
 use crate::score::{finish, ScoreSpec};
 use crate::simd::{aligned, exp2, ScaledTanh, Simd, SimdDiv, ALIGN_SLACK};
+use half::{bf16, f16};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 const LN2: f32 = core::f32::consts::LN_2;
@@ -82,29 +84,141 @@ const fn round_up(x: usize, w: usize) -> usize {
     x.div_ceil(w) * w
 }
 
-/// f32 elements of scratch [`crate::flash_forward`] needs for these extents (enough for every ISA).
+/// f32 elements of scratch [`crate::flash_forward`] needs for these extents (enough for every ISA
+/// and element type; f32 operands leave the last `key_block(d)·(d + dv) + m·d` untouched).
 pub fn scratch_len(m: usize, d: usize, dv: usize) -> usize {
     let mp = round_up(m, 16);
-    d * mp + key_block(d) * mp + dv * mp + 4 * mp + ALIGN_SLACK
+    d * mp + key_block(d) * mp + dv * mp + 4 * mp + key_block(d) * (d + dv) + m * d + ALIGN_SLACK
+}
+
+/// Rows `< rows` of `src` (stride `lds`, `cols` wide) widened into `dst` (dense, stride `cols`).
+///
+/// # Safety
+/// `src` readable and `dst` writable at those extents; the ISA of `S` is enabled.
+#[inline(always)]
+unsafe fn widen_rows<S: Simd, E: Elem>(
+    src: *const E,
+    lds: usize,
+    rows: usize,
+    cols: usize,
+    dst: *mut f32,
+) {
+    // SAFETY: every index is `< rows` rows × `< cols` columns of the extents promised.
+    unsafe {
+        for r in 0..rows {
+            let (s, d) = (src.add(r * lds), dst.add(r * cols));
+            let mut c = 0;
+            while c + S::W <= cols {
+                S::store(d.add(c), S::load_as(s.add(c)));
+                c += S::W;
+            }
+            for c in c..cols {
+                *d.add(c) = get(s.add(c));
+            }
+        }
+    }
+}
+
+/// [`widen_rows`] from elements of type `dt`.
+///
+/// # Safety
+/// As [`widen_rows`], `src` pointing at `dt` elements (not f32, which is never widened).
+#[inline(always)]
+unsafe fn widen_any<S: Simd>(
+    dt: Dtype,
+    src: *const u8,
+    lds: usize,
+    rows: usize,
+    cols: usize,
+    dst: *mut f32,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match dt {
+            Dtype::Bf16 => widen_rows::<S, bf16>(src.cast(), lds, rows, cols, dst),
+            Dtype::F16 => widen_rows::<S, f16>(src.cast(), lds, rows, cols, dst),
+            _ => unreachable!("f32 operands are read in place"),
+        }
+    }
+}
+
+/// `a` with its operand pointers cast to f32, and their real types: the form the kernel runs
+/// on, so that one instance per ISA and epilogue serves every element type (a typed instance
+/// per type cost minutes of build each) and only the widening knows the types.
+pub(crate) fn erase<Q: Elem, KV: Elem>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Operands) {
+    let FlashArgs {
+        m,
+        n,
+        d,
+        dv,
+        scale,
+        spec,
+        q,
+        ldq,
+        k,
+        ldk,
+        v,
+        ldv,
+        o,
+        ldo,
+        lse,
+        weights,
+        ldw,
+    } = *a;
+    let erased = FlashArgs {
+        m,
+        n,
+        d,
+        dv,
+        scale,
+        spec,
+        q: q.cast(),
+        ldq,
+        k: k.cast(),
+        ldk,
+        v: v.cast(),
+        ldv,
+        o,
+        ldo,
+        lse,
+        weights,
+        ldw,
+    };
+    (
+        erased,
+        Operands {
+            q: Q::DTYPE,
+            kv: KV::DTYPE,
+        },
+    )
+}
+
+/// The element types behind an [`erase`]d argument set's `q` and its `k`, `v`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Operands {
+    q: Dtype,
+    kv: Dtype,
 }
 
 /// The fused kernel, generic over the vector type.
 ///
 /// # Safety
-/// Every pointer in `args` is valid for the extents it describes; `o`, `lse` and `weights` do not
+/// Every pointer in `args` is valid for the extents it describes, `q` holding `ops.q` elements
+/// and `k`, `v` `ops.kv` ones (an [`erase`]d argument set); `o`, `lse` and `weights` do not
 /// overlap each other or any input; `scratch.len() ≥ scratch_len(m, d, dv)`; the ISA of `S` is
 /// enabled on this CPU.
 #[inline(always)]
-pub(crate) unsafe fn forward<S: Tiles + SimdDiv, Q: Elem, KV: Elem>(
-    a: &FlashArgs<Q, KV>,
+pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(
+    a: &FlashArgs,
+    ops: Operands,
     scratch: &mut [f32],
 ) {
     // SAFETY: forwarded contract. One instance per epilogue, so the plain kernel's loop is
     // exactly what it was without one (a branch per key block cost 0.7 % of its instructions).
     unsafe {
         match a.spec.softcap {
-            Some(c) => forward_with::<S, Q, KV, _>(a, scratch, Softcap(ScaledTanh::new(c * LOG2E))),
-            None => forward_with::<S, Q, KV, _>(a, scratch, Plain),
+            Some(c) => forward_with::<S, _>(a, ops, scratch, Softcap(ScaledTanh::new(c * LOG2E))),
+            None => forward_with::<S, _>(a, ops, scratch, Plain),
         }
     }
 }
@@ -114,8 +228,9 @@ pub(crate) unsafe fn forward<S: Tiles + SimdDiv, Q: Elem, KV: Elem>(
 /// # Safety
 /// As [`forward`].
 #[inline(always)]
-unsafe fn forward_with<S: Tiles + SimdDiv, Q: Elem, KV: Elem, F: Epilogue>(
-    a: &FlashArgs<Q, KV>,
+unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
+    a: &FlashArgs,
+    ops: Operands,
     scratch: &mut [f32],
     epi: F,
 ) {
@@ -137,7 +252,15 @@ unsafe fn forward_with<S: Tiles + SimdDiv, Q: Elem, KV: Elem, F: Epilogue>(
     let (mrow, rest) = rest.split_at_mut(mp);
     let (lrow, rest) = rest.split_at_mut(mp);
     let (alpha, rest) = rest.split_at_mut(mp);
-    let tmp = &mut rest[..mp];
+    let (tmp, rest) = rest.split_at_mut(mp);
+    // 16-bit K and V are widened a key block at a time (`kw`, `vw`, dense), so the tiles, which
+    // broadcast K and V element by element, always read f32: broadcasting 16-bit elements in
+    // place cost a scalar conversion per element (bf16 prefill ran at 0.65× f32, f16 at 0.3×).
+    let (kw, rest) = rest.split_at_mut(nb_max * d);
+    let (vw, rest) = rest.split_at_mut(nb_max * dv);
+    // And 16-bit Q once per call, for the shuffle transpose (element by element, it cost f16
+    // inputs 10-15 % of small calls).
+    let qw = &mut rest[..m * d];
 
     // Both ends of the visible range grow with r: the last row bounds the key loop above, the
     // first below.
@@ -169,7 +292,14 @@ unsafe fn forward_with<S: Tiles + SimdDiv, Q: Elem, KV: Elem, F: Epilogue>(
                 row[m8..].fill(0.0);
             }
         }
-        transpose_scaled::<S, Q, false, true>(a.q, a.ldq, m, d, qt.as_mut_ptr(), mp, |_| qscale);
+        let (q, ldq) = match ops.q {
+            Dtype::F32 => (a.q, a.ldq),
+            dt => {
+                widen_any::<S>(dt, a.q.cast(), a.ldq, m, d, qw.as_mut_ptr());
+                (qw.as_ptr(), d)
+            }
+        };
+        transpose_scaled::<S, false, true>(q, ldq, m, d, qt.as_mut_ptr(), mp, |_| qscale);
         mrow.fill(f32::NEG_INFINITY);
         lrow.fill(0.0);
 
@@ -206,13 +336,24 @@ unsafe fn forward_with<S: Tiles + SimdDiv, Q: Elem, KV: Elem, F: Epilogue>(
             };
             let lanes = u * w;
             let s = &mut st[..nb * mp];
+            let (kb, ldk, vb, ldv) = match ops.kv {
+                Dtype::F32 => (a.k.add(j0 * a.ldk), a.ldk, a.v.add(j0 * a.ldv), a.ldv),
+                dt => {
+                    // Element offsets of the real type: step the typed pointers.
+                    let size = dt.size();
+                    let (k, v) = (a.k.cast::<u8>(), a.v.cast::<u8>());
+                    widen_any::<S>(dt, k.add(j0 * a.ldk * size), a.ldk, nb, d, kw.as_mut_ptr());
+                    widen_any::<S>(dt, v.add(j0 * a.ldv * size), a.ldv, nb, dv, vw.as_mut_ptr());
+                    (kw.as_ptr(), d, vw.as_ptr(), dv)
+                }
+            };
             S::block(
                 nb,
                 nvec - u,
                 d,
                 SCORE_CHAIN,
-                a.k.add(j0 * a.ldk),
-                a.ldk,
+                kb,
+                ldk,
                 1,
                 qt.as_ptr().add(lanes),
                 mp,
@@ -222,7 +363,7 @@ unsafe fn forward_with<S: Tiles + SimdDiv, Q: Elem, KV: Elem, F: Epilogue>(
                 epi,
             );
             // Lanes < u·W of `s` are stale; the causal fill of `mask_block` sets them to −inf.
-            mask_block::<S, Q, KV>(a, &rest_spec, j0, nb, mp, s);
+            mask_block::<S>(a, &rest_spec, j0, nb, mp, s);
             let rescale = online_softmax::<S>(s, nb, mp, mrow, lrow, alpha);
             if first && j0 + nb == kmax && dv % w == 0 {
                 // The only key block (short sequences): O = diag(1/l)·P·V straight into the
@@ -241,8 +382,8 @@ unsafe fn forward_with<S: Tiles + SimdDiv, Q: Elem, KV: Elem, F: Epilogue>(
                     s.as_ptr(),
                     1,
                     mp,
-                    a.v.add(j0 * a.ldv),
-                    a.ldv,
+                    vb,
+                    ldv,
                     a.o,
                     a.ldo,
                     Accum::Replace,
@@ -263,9 +404,9 @@ unsafe fn forward_with<S: Tiles + SimdDiv, Q: Elem, KV: Elem, F: Epilogue>(
                 nvec - u,
                 nb,
                 usize::MAX,
-                a.v.add(j0 * a.ldv),
+                vb,
                 1,
-                a.ldv,
+                ldv,
                 s.as_ptr().add(lanes),
                 mp,
                 ot.as_mut_ptr().add(lanes),
@@ -283,7 +424,7 @@ unsafe fn forward_with<S: Tiles + SimdDiv, Q: Elem, KV: Elem, F: Epilogue>(
         // is overwritten below.
         if !first && !direct {
             normalisers::<S>(mrow, lrow, sink2, tmp);
-            transpose_scaled::<S, f32, true, false>(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
+            transpose_scaled::<S, true, false>(ot.as_ptr(), mp, dv, m, a.o, a.ldo, |r| tmp[r]);
         }
         for (r, &l) in lrow[..m].iter().enumerate() {
             if l == 0.0 {
@@ -330,8 +471,8 @@ unsafe fn forward_with<S: Tiles + SimdDiv, Q: Elem, KV: Elem, F: Epilogue>(
 /// `src` readable and `dst` writable at the given extents and strides, rounded up to a multiple
 /// of 8 on the wide sides; no overlap.
 #[inline(always)]
-unsafe fn transpose_scaled<S: Simd, E: Elem, const WIDE_SRC: bool, const WIDE_DST: bool>(
-    src: *const E,
+unsafe fn transpose_scaled<S: Simd, const WIDE_SRC: bool, const WIDE_DST: bool>(
+    src: *const f32,
     lds: usize,
     rows: usize,
     cols: usize,
@@ -339,10 +480,6 @@ unsafe fn transpose_scaled<S: Simd, E: Elem, const WIDE_SRC: bool, const WIDE_DS
     ldd: usize,
     k: impl Fn(usize) -> f32,
 ) {
-    let Some(src) = as_f32(src) else {
-        // SAFETY: forwarded contract.
-        return unsafe { transpose_widened::<E, WIDE_DST>(src, lds, rows, cols, dst, ldd, k) };
-    };
     // SAFETY: per the contract above; every block is clipped to `rows × cols`.
     unsafe {
         for c0 in (0..cols).step_by(8) {
@@ -361,37 +498,6 @@ unsafe fn transpose_scaled<S: Simd, E: Elem, const WIDE_SRC: bool, const WIDE_DS
     }
 }
 
-/// [`transpose_scaled`] element by element, widening each value: the path of types without a
-/// shuffle transpose (their packing is `O(m·d)` per query block against `O(m·n·d)` of products).
-///
-/// # Safety
-/// As [`transpose_scaled`].
-#[inline(always)]
-unsafe fn transpose_widened<E: Elem, const WIDE_DST: bool>(
-    src: *const E,
-    lds: usize,
-    rows: usize,
-    cols: usize,
-    dst: *mut f32,
-    ldd: usize,
-    k: impl Fn(usize) -> f32,
-) {
-    let padded = if WIDE_DST { rows.div_ceil(8) * 8 } else { rows };
-    // SAFETY: reads `< rows × cols` of `src`; writes rows `< cols` of `dst`, lanes `< padded`
-    // (the wide side's rounding, per the contract).
-    unsafe {
-        for c in 0..cols {
-            let kc = k(c);
-            for r in 0..rows {
-                *dst.add(c * ldd + r) = get(src.add(r * lds + c)) * kc;
-            }
-            for r in rows..padded {
-                *dst.add(c * ldd + r) = 0.0;
-            }
-        }
-    }
-}
-
 /// Applies `spec` (the kernel's spec without its softcap, which the score tile applied) to a
 /// score block `Sᵀ[nb × mp]` starting at key `j0`, and copies the resulting base-2 logits to the
 /// weights if asked.
@@ -399,8 +505,8 @@ unsafe fn transpose_widened<E: Elem, const WIDE_DST: bool>(
 /// # Safety
 /// As [`forward`].
 #[inline(always)]
-unsafe fn mask_block<S: SimdDiv, Q: Elem, KV: Elem>(
-    a: &FlashArgs<Q, KV>,
+unsafe fn mask_block<S: SimdDiv>(
+    a: &FlashArgs,
     spec: &ScoreSpec,
     j0: usize,
     nb: usize,

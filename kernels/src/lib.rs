@@ -83,7 +83,7 @@ macro_rules! isa_fn {
     };
 }
 
-isa_fn!(flash_isa<Q, KV>(args: &FlashArgs<Q, KV>, scratch: &mut [f32]) => flash::forward);
+isa_fn!(flash_isa(args: &FlashArgs, ops: flash::Operands, scratch: &mut [f32]) => flash::forward);
 isa_fn!(decode_isa<Q, KV>(args: &DecodeArgs<Q, KV>, partial: *mut f32, ldp: usize, scratch: &mut [f32]) => decode::decode);
 isa_fn!(softmax_isa(x: &mut [f32], sink: f32) => flash::softmax);
 isa_fn!(apply_row_isa(spec: &ScoreSpec, r: usize, j0: usize, x: &mut [f32], u: f32) => score::apply_row);
@@ -108,9 +108,8 @@ pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
     unsafe { <f32 as Operand>::flash_forward(isa, args, scratch) }
 }
 
-/// [`flash_forward`] with Q read as `Q` and K, V as `KV` (widened to f32 on load; the rest is
-/// the same kernel). Generic, so each pair of types is compiled in the crate that uses it; the
-/// [`Operand`] instances (one type for all three) are compiled here once.
+/// [`flash_forward`] with Q read as `Q` and K, V as `KV` (widened to f32 block by block; the
+/// rest is the same kernel, compiled here once for every type).
 ///
 /// # Safety
 /// As [`flash_forward`].
@@ -123,8 +122,9 @@ pub unsafe fn flash_forward_as<Q: Elem, KV: Elem>(
         scratch.len() >= scratch_len(args.m, args.d, args.dv),
         "flash scratch too short"
     );
-    // SAFETY: forwarded contract.
-    unsafe { flash_isa(isa, args, scratch) }
+    let (args, ops) = flash::erase(args);
+    // SAFETY: forwarded contract; `ops` names the types behind the erased pointers.
+    unsafe { flash_isa(isa, &args, ops, scratch) }
 }
 
 /// Decode attention over one key range for a group of rows sharing K and V (see

@@ -8,7 +8,8 @@ use crate::cases::Case;
 use attnkit::kernels::reference;
 use attnkit::unfused::{sdpa_unfused_with, Backend};
 use attnkit::{
-    choose_kernel, sdpa, AlignedBuf, Causal, Isa, Kernel, SdpaOptions, Tensor, TensorMut,
+    bf16, choose_kernel, f16, sdpa, AlignedBuf, Causal, Dtype, Elem, Isa, Kernel, Operand,
+    SdpaOptions, Tensor, TensorMut,
 };
 
 /// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed, each buffer starting on a
@@ -17,6 +18,27 @@ pub struct Inputs {
     pub q: AlignedBuf,
     pub k: AlignedBuf,
     pub v: AlignedBuf,
+    /// Q, K, V in `--dtype` when it is not f32 (then `q`, `k`, `v` hold the same values widened,
+    /// so every implementation computes on the same numbers).
+    pub lowp: Lowp,
+}
+
+/// 16-bit copies of the inputs, for our kernels under `--dtype bf16|f16`.
+pub enum Lowp {
+    None,
+    Bf16([Vec<bf16>; 3]),
+    F16([Vec<f16>; 3]),
+}
+
+/// `x` rounded to `E`, and `x` overwritten with the rounded values widened.
+fn round_to<E: Elem>(x: &mut [f32]) -> Vec<E> {
+    x.iter_mut()
+        .map(|v| {
+            let e = E::from_f32(*v);
+            *v = e.to_f32();
+            e
+        })
+        .collect()
 }
 
 impl Inputs {
@@ -42,11 +64,13 @@ impl Inputs {
             }
             buf
         };
-        Inputs {
-            q: fill(case.q_len()),
-            k: fill(case.kv_len()),
-            v: fill(case.kv_len()),
-        }
+        let (mut q, mut k, mut v) = (fill(case.q_len()), fill(case.kv_len()), fill(case.kv_len()));
+        let lowp = match modifiers().dtype {
+            Dtype::Bf16 => Lowp::Bf16([round_to(&mut q), round_to(&mut k), round_to(&mut v)]),
+            Dtype::F16 => Lowp::F16([round_to(&mut q), round_to(&mut k), round_to(&mut v)]),
+            _ => Lowp::None,
+        };
+        Inputs { q, k, v, lowp }
     }
 }
 
@@ -93,19 +117,25 @@ pub const NAMES: &[&str] = &[
 /// Reserved for the attention layers (their throughput is measured by `examples/layers_bench.rs`, which needs weights and a FLOP convention of its own).
 pub const LAYERS: &[&str] = &["mha", "additive"];
 
-fn views<'a>(
+fn views<'a, E: Elem>(
     case: &Case,
-    inp: &'a Inputs,
+    qkv: [&'a [E]; 3],
     out: &'a mut [f32],
-) -> (Tensor<'a>, Tensor<'a>, Tensor<'a>, TensorMut<'a>) {
+) -> (Tensor<'a, E>, Tensor<'a, E>, Tensor<'a, E>, TensorMut<'a>) {
     let qs = [case.b, case.h, case.lq, case.d];
     let kvs = [case.b, case.hkv, case.lk, case.d];
     (
-        Tensor::bhld(&inp.q, qs),
-        Tensor::bhld(&inp.k, kvs),
-        Tensor::bhld(&inp.v, kvs),
+        Tensor::bhld(qkv[0], qs),
+        Tensor::bhld(qkv[1], kvs),
+        Tensor::bhld(qkv[2], kvs),
         TensorMut::bhld(out, qs),
     )
+}
+
+/// `sdpa` on the inputs in `E` (f32 output).
+fn sdpa_in<E: Operand>(case: &Case, qkv: [&[E]; 3], out: &mut [f32], opts: &SdpaOptions) {
+    let (q, k, v, mut o) = views(case, qkv, out);
+    sdpa(&q, &k, &v, &mut o, opts).expect("sdpa failed");
 }
 
 fn shapes(case: &Case) -> ([usize; 4], [usize; 4]) {
@@ -117,17 +147,20 @@ fn shapes(case: &Case) -> ([usize; 4], [usize; 4]) {
 
 /// Score modifiers asked for on the command line (`--alibi`, `--softcap`, `--sinks`), applied to
 /// our implementations only.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct Modifiers {
     pub alibi: bool,
     pub softcap: Option<f32>,
     pub sinks: bool,
+    /// Element type of Q, K and V for our fused kernels (`--dtype`; output in f32).
+    pub dtype: Dtype,
 }
 
 static MODIFIERS: std::sync::Mutex<Modifiers> = std::sync::Mutex::new(Modifiers {
     alibi: false,
     softcap: None,
     sinks: false,
+    dtype: Dtype::F32,
 });
 
 /// The modifiers, for the argument parser to set.
@@ -150,6 +183,8 @@ pub fn modifiers_tag(imp: &str) -> String {
         (m.alibi, "+alibi"),
         (m.softcap.is_some(), "+softcap"),
         (m.sinks, "+sinks"),
+        (imp.starts_with("fused") && m.dtype == Dtype::Bf16, "+bf16"),
+        (imp.starts_with("fused") && m.dtype == Dtype::F16, "+f16"),
     ] {
         if on {
             t.push_str(name);
@@ -213,8 +248,12 @@ impl Impl for Fused {
         format!("{}/{path}", isa.name())
     }
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
-        let (q, k, v, mut o) = views(case, inp, out);
-        sdpa(&q, &k, &v, &mut o, &options(case, isa).kernel(self.1)).expect("sdpa failed");
+        let opts = options(case, isa).kernel(self.1);
+        match &inp.lowp {
+            Lowp::None => sdpa_in(case, [&inp.q[..], &inp.k[..], &inp.v[..]], out, &opts),
+            Lowp::Bf16([q, k, v]) => sdpa_in(case, [q, k, v], out, &opts),
+            Lowp::F16([q, k, v]) => sdpa_in(case, [q, k, v], out, &opts),
+        }
     }
 }
 
@@ -226,7 +265,7 @@ impl Impl for Unfused {
         self.0
     }
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
-        let (q, k, v, mut o) = views(case, inp, out);
+        let (q, k, v, mut o) = views(case, [&inp.q[..], &inp.k[..], &inp.v[..]], out);
         sdpa_unfused_with(&q, &k, &v, &mut o, &options(case, isa), self.1)
             .expect("sdpa_unfused failed");
     }

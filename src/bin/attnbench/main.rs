@@ -65,6 +65,9 @@ RUN
   --softcap CAP       softcap CAP on our implementations
   --sinks             one attention-sink logit per head (uniform in [-2, 2]) on ours
                       (each modifier tags the implementation: fused+alibi+softcap+sinks)
+  --dtype T           f32 | bf16 | f16: Q, K, V of our fused kernels in T (output f32); the
+                      inputs are rounded to T for every implementation, so all compute on the
+                      same values (tags fused+bf16 / fused+f16)
   --naive-max M       largest case for naive, in millions of multiply-adds (default 32)
   --peak GFLOPS       one thread's FMA peak, instead of the probe (scaled by the thread count)
 OUTPUT
@@ -218,6 +221,14 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
             "--alibi" => impls::modifiers_mut().alibi = true,
             "--softcap" => impls::modifiers_mut().softcap = Some(num(value(&mut it)?)? as f32),
             "--sinks" => impls::modifiers_mut().sinks = true,
+            "--dtype" => {
+                impls::modifiers_mut().dtype = match value(&mut it)?.as_str() {
+                    "f32" => attnkit::Dtype::F32,
+                    "bf16" => attnkit::Dtype::Bf16,
+                    "f16" => attnkit::Dtype::F16,
+                    t => return Err(format!("--dtype: expected f32, bf16 or f16, got {t:?}")),
+                }
+            }
             "--cold" => cfg.cold = true,
             "--naive-max" => cfg.naive_max = num(value(&mut it)?)? * 1e6,
             "--peak" => cfg.peak = Some(num(value(&mut it)?)?),
