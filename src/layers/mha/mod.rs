@@ -16,8 +16,9 @@ use super::Tokens;
 use crate::error::{AttnError, Result};
 use std::path::Path;
 
-/// `torch.nn.MultiheadAttention` (inference): `out = concat_h(softmax(Q_h·K_hᵀ/√d + masks)·V_h)·W_oᵀ
-/// + b_o` with `Q = query·W_qᵀ + b_q`, `K = key·W_kᵀ + b_k`, `V = value·W_vᵀ + b_v`.
+/// `torch.nn.MultiheadAttention` (inference):
+/// `out = concat_h(softmax(Q_h·K_hᵀ/√d + masks)·V_h)·W_oᵀ + b_o`, with `Q = query·W_qᵀ + b_q`,
+/// `K = key·W_kᵀ + b_k` and `V = value·W_vᵀ + b_v`.
 ///
 /// Weights are PyTorch's `state_dict` (names relative to a prefix): `in_proj_weight` `(3E, E)` and
 /// `in_proj_bias` `(3E,)` when `kdim = vdim = E`; otherwise `q_proj_weight` `(E, E)`,
