@@ -11,6 +11,7 @@ use crate::exec::{run_tasks, SendPtr};
 use crate::options::Par;
 use crate::plan::{off, Plan};
 use crate::scratch::with_scratch;
+use crate::view::store_rounded;
 use attnkit_kernels::{
     decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk, Dtype,
     Elem, Operand, ScoreSpec,
@@ -82,9 +83,7 @@ pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
                     out,
                 );
                 if O::DTYPE != Dtype::F32 {
-                    for (c, x) in row[..s.dv].iter().enumerate() {
-                        *dst.add(c) = O::from_f32(*x);
-                    }
+                    store_rounded(dst, &row[..s.dv]);
                 }
                 if !p.lse.is_null() {
                     *p.lse.add((b * s.hq + h) * s.lq + i) = lse;

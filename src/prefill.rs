@@ -5,7 +5,8 @@ use crate::exec::{parallel, run_tasks};
 use crate::options::Par;
 use crate::plan::{off, Plan};
 use crate::scratch::with_scratch;
-use attnkit_kernels::{scratch_len, Dtype, Elem, FlashArgs, Operand};
+use crate::view::store_rounded;
+use attnkit_kernels::{flash_forward_as, scratch_len, Dtype, Elem, FlashArgs};
 
 /// Query rows per task: enough to amortise packing each K/V block, few enough that long
 /// sequences give every core many tasks. Depends on the shape only, never on the thread count,
@@ -40,7 +41,7 @@ fn q_blocks<E, O>(p: &Plan<E, O>) -> usize {
 }
 
 /// Runs every (batch, head, query block) task of `p` (the prefill kernel; `p` has work to do).
-pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
+pub(crate) fn run<E: Elem, O: Elem>(p: &Plan<E, O>, par: Par) {
     let s = &p.shape;
     let (nqb, group) = (q_blocks(p), s.hq / s.hkv);
     let n = s.b * s.hq * nqb;
@@ -79,7 +80,7 @@ pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
 
 /// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of at
 /// least `scratch_len(q_block, D, Dv)` floats, plus `q_block·Dv` for an output not in f32.
-fn task<E: Operand, O: Elem>(
+fn task<E: Elem, O: Elem>(
     p: &Plan<E, O>,
     b: usize,
     h: usize,
@@ -99,7 +100,6 @@ fn task<E: Operand, O: Elem>(
     } else {
         (staged.as_mut_ptr(), s.dv)
     };
-    let off3 = off;
     // SAFETY: (pointer offsets below) every offset addresses an element inside its buffer,
     // as validated by `check_len` / the dense-length checks in `Plan::new`.
     let args = unsafe {
@@ -110,11 +110,11 @@ fn task<E: Operand, O: Elem>(
             dv: s.dv,
             scale: p.scale,
             spec: p.spec(b, h, row0),
-            q: p.q.add(off3(p.qs, b, h, row0)),
+            q: p.q.add(off(p.qs, b, h, row0)),
             ldq: p.qs[2],
-            k: p.k.add(off3(p.ks, b, hk, 0)),
+            k: p.k.add(off(p.ks, b, hk, 0)),
             ldk: p.ks[2],
-            v: p.v.add(off3(p.vs, b, hk, 0)),
+            v: p.v.add(off(p.vs, b, hk, 0)),
             ldv: p.vs[2],
             o,
             ldo,
@@ -133,15 +133,18 @@ fn task<E: Operand, O: Elem>(
     };
     // SAFETY: `args` describes validated, in-bounds extents; this task's output rows (out,
     // lse, weights) are disjoint from every other task's; the ISA was checked.
-    unsafe { E::flash_forward(p.isa, &args, scratch) }
+    // (One flash instance serves every element type: `flash_forward_as` only erases them.)
+    unsafe { flash_forward_as(p.isa, &args, scratch) }
     if O::DTYPE != Dtype::F32 {
         for r in 0..m {
             // SAFETY: row `row0 + r` of this task's output view (validated, disjoint from
             // every other task's rows), `Dv` elements.
-            let dst = unsafe { core::slice::from_raw_parts_mut(p.o.add(out + r * p.os[2]), s.dv) };
-            for (d, x) in dst.iter_mut().zip(&staged[r * s.dv..(r + 1) * s.dv]) {
-                *d = O::from_f32(*x);
-            }
+            unsafe {
+                store_rounded(
+                    p.o.add(out + r * p.os[2]),
+                    &staged[r * s.dv..(r + 1) * s.dv],
+                )
+            };
         }
     }
 }

@@ -186,3 +186,14 @@ pub(crate) fn check_disjoint(
     }
     Ok(())
 }
+
+/// Writes `src` rounded to `O` at `dst`: a 16-bit output's single rounding of the f32 result.
+///
+/// # Safety
+/// `dst` is writable for `src.len()` elements and nothing else accesses them meanwhile.
+pub(crate) unsafe fn store_rounded<O: Elem>(dst: *mut O, src: &[f32]) {
+    for (c, x) in src.iter().enumerate() {
+        // SAFETY: `c < src.len()`, per the contract.
+        unsafe { *dst.add(c) = O::from_f32(*x) };
+    }
+}

@@ -6,10 +6,11 @@
 //! and the checks each safe function documents: the `attnkit` crate validates user input first.
 //!
 //! The flash and decode kernels read their operands as any [`Elem`] (`f32`, [`bf16`],
-//! [`f16`](struct@f16)), widened on load, and compute in f32. [`Operand`] holds the instances
-//! compiled here (Q, K and V of one type; [`flash_forward`] and [`decode_partial`] are the f32
-//! ones); [`flash_forward_as`] and [`decode_partial_as`] are the generic entry points, for
-//! mixed types (compiled where they are used).
+//! [`f16`](struct@f16)), widened on load, and compute in f32. The flash kernel is compiled once
+//! for every type ([`flash_forward_as`]; [`flash_forward`] is its f32 form). The decode kernel
+//! is generic: [`Operand`] holds its instances compiled here (Q, K and V of one type;
+//! [`decode_partial`] is the f32 one), [`decode_partial_as`] is the generic entry point for
+//! mixed types (compiled where it is used).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
@@ -105,7 +106,7 @@ isa_fn!(block_isa<A, B>(m: usize, nvec: usize, kc: usize, chain: usize, a: *cons
 /// * `key_len ≤ n`; `scratch.len() ≥ scratch_len(m, d, dv)`.
 pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
     // SAFETY: forwarded contract.
-    unsafe { <f32 as Operand>::flash_forward(isa, args, scratch) }
+    unsafe { flash_forward_as(isa, args, scratch) }
 }
 
 /// [`flash_forward`] with Q read as `Q` and K, V as `KV` (widened to f32 block by block; the
@@ -168,17 +169,12 @@ pub unsafe fn decode_partial_as<Q: Elem, KV: Elem>(
     unsafe { decode_isa(isa, args, partial, ldp, scratch) }
 }
 
-/// An element type whose flash and decode kernels, with Q, K and V all of that type, are
-/// compiled once in this crate: `f32`, [`bf16`] and [`f16`](struct@f16). Callers that are
-/// generic over the operand type dispatch through it rather than instantiating
-/// [`flash_forward_as`] themselves (each instance is minutes of build).
+/// An element type whose decode kernel, with Q, K and V all of that type, is compiled once in
+/// this crate: `f32`, [`bf16`] and [`f16`](struct@f16). Callers generic over the operand type
+/// dispatch through it rather than instantiating [`decode_partial_as`] themselves (each instance
+/// is minutes of build). The flash kernel needs no such trait: it is compiled once for every type
+/// ([`flash_forward_as`] only erases the types).
 pub trait Operand: Elem {
-    /// [`flash_forward`] for operands of this type.
-    ///
-    /// # Safety
-    /// As [`flash_forward`].
-    unsafe fn flash_forward(isa: Isa, args: &FlashArgs<Self, Self>, scratch: &mut [f32]);
-
     /// [`decode_partial`] for operands of this type.
     ///
     /// # Safety
@@ -195,11 +191,6 @@ pub trait Operand: Elem {
 macro_rules! operand {
     ($($t:ty),*) => {$(
         impl Operand for $t {
-            #[inline(never)]
-            unsafe fn flash_forward(isa: Isa, args: &FlashArgs<Self, Self>, scratch: &mut [f32]) {
-                // SAFETY: forwarded contract.
-                unsafe { flash_forward_as(isa, args, scratch) }
-            }
             #[inline(never)]
             unsafe fn decode_partial(
                 isa: Isa,
