@@ -7,10 +7,12 @@
 //! on the shape only ([`chunk_len`]), and partials are merged in chunk order, so the result is
 //! the same for every thread count.
 
-use crate::exec::{run_tasks, SendPtr};
+use crate::alloc::try_zeros;
+use crate::error::Result;
+use crate::exec::SendPtr;
 use crate::options::Par;
 use crate::plan::{off, Plan};
-use crate::scratch::with_scratch;
+use crate::scratch::run_tasks_scratch;
 use crate::view::store_rounded;
 use attnkit_kernels::{
     decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk, Dtype,
@@ -32,13 +34,17 @@ thread_local! {
 }
 
 /// Runs `p` on the decode kernel: every (batch, KV head, chunk) task, then the merge.
-pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
+///
+/// # Errors
+/// [`AttnError::Alloc`](crate::AttnError) if the partials or the kernel's scratch cannot be
+/// allocated (then nothing was written).
+pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
     let s = p.shape;
     let groups = s.b * s.hkv;
     let g = s.hq / s.hkv;
     let rows = g * s.lq;
     if groups == 0 || rows == 0 {
-        return;
+        return Ok(());
     }
     let clen = chunk_len(s.lk);
     let chunks = s.lk.div_ceil(clen).max(1);
@@ -48,19 +54,23 @@ pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
     // loop: while this thread waits in rayon it may run another call's decode (nested
     // parallelism in the caller), which then finds an empty buffer and uses its own.
     let mut buf = PARTIALS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
-    let len = groups * chunks * per_task;
+    // Saturating: a length past `isize::MAX` is then refused by the allocation.
+    let len = groups.saturating_mul(chunks).saturating_mul(per_task);
     // A 16-bit output row is merged into f32 at the end of the buffer, then rounded.
     let staged = if O::DTYPE == Dtype::F32 { 0 } else { s.dv };
-    if buf.len() < len + staged {
-        buf.resize(len + staged, 0.0);
+    if buf.len() < len.saturating_add(staged) {
+        // Free the old buffer first: peak memory is then the new size only.
+        drop(std::mem::take(&mut buf));
+        buf = try_zeros("partials", len.saturating_add(staged))?;
     }
     let (buf_parts, row) = buf.split_at_mut(len);
     let parts = SendPtr(buf_parts.as_mut_ptr());
-    run_tasks(par, groups * chunks, p.work(), |t| {
+    let scratch = decode_scratch_len(s.d, s.dv);
+    run_tasks_scratch(par, groups * chunks, p.work(), scratch, |t, scratch| {
         // SAFETY: task `t` owns partial rows `[t·rows, (t+1)·rows)` of the buffer.
         let dst = unsafe { parts.get().add(t * per_task) };
-        task(p, t / chunks, t % chunks, clen, dst, pl);
-    });
+        task(p, t / chunks, t % chunks, clen, dst, pl, scratch);
+    })?;
     for grp in 0..groups {
         let (b, hk) = (grp / s.hkv, grp % s.hkv);
         for r in 0..rows {
@@ -98,6 +108,7 @@ pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
             *kept = buf;
         }
     });
+    Ok(())
 }
 
 /// Task `(grp, chunk)`: every query row of KV group `grp` over key chunk `chunk`, partials to `dst`.
@@ -108,6 +119,7 @@ fn task<E: Operand, O: Elem>(
     clen: usize,
     dst: *mut f32,
     pl: usize,
+    scratch: &mut [f32],
 ) {
     let s = p.shape;
     let (b, hk) = (grp / s.hkv, grp % s.hkv);
@@ -119,38 +131,36 @@ fn task<E: Operand, O: Elem>(
     let nrows = g * s.lq;
     let j_begin = chunk * clen;
     let j_end = (j_begin + clen).min(s.lk);
-    with_scratch(decode_scratch_len(s.d, s.dv), |scratch| {
-        // Rows in passes of 16 (the kernel itself works in groups of 8 rows).
-        for r0 in (0..nrows).step_by(rows.len()) {
-            let n = rows.len().min(nrows - r0);
-            for (k, row) in rows[..n].iter_mut().enumerate() {
-                let r = r0 + k;
-                let (h, i) = (hk * g + r / s.lq, r % s.lq);
-                // SAFETY: offset of a validated view (see `Plan::new`).
-                let q = unsafe { p.q.add(off(p.qs, b, h, i)) };
-                *row = DecodeRow {
-                    q,
-                    spec: p.spec(b, h, i),
-                };
-            }
-            let args = DecodeArgs {
-                rows: &rows[..n],
-                d: s.d,
-                dv: s.dv,
-                // SAFETY: KV head `hk` of batch `b` is inside the validated views.
-                k: unsafe { p.k.add(off(p.ks, b, hk, 0)) },
-                ldk: p.ks[2],
-                // SAFETY: as above.
-                v: unsafe { p.v.add(off(p.vs, b, hk, 0)) },
-                ldv: p.vs[2],
-                j_begin,
-                j_end,
-                scale: p.scale,
-                walk: DecodeWalk::Auto,
+    // Rows in passes of 16 (the kernel itself works in groups of 8 rows).
+    for r0 in (0..nrows).step_by(rows.len()) {
+        let n = rows.len().min(nrows - r0);
+        for (k, row) in rows[..n].iter_mut().enumerate() {
+            let r = r0 + k;
+            let (h, i) = (hk * g + r / s.lq, r % s.lq);
+            // SAFETY: offset of a validated view (see `Plan::new`).
+            let q = unsafe { p.q.add(off(p.qs, b, h, i)) };
+            *row = DecodeRow {
+                q,
+                spec: p.spec(b, h, i),
             };
-            // SAFETY: rows, K/V and masks are in bounds for keys < j_end ≤ Lk; `dst` holds
-            // `nrows` partial rows of `pl` floats owned by this task; the ISA was checked.
-            unsafe { E::decode_partial(p.isa, &args, dst.add(r0 * pl), pl, scratch) };
         }
-    });
+        let args = DecodeArgs {
+            rows: &rows[..n],
+            d: s.d,
+            dv: s.dv,
+            // SAFETY: KV head `hk` of batch `b` is inside the validated views.
+            k: unsafe { p.k.add(off(p.ks, b, hk, 0)) },
+            ldk: p.ks[2],
+            // SAFETY: as above.
+            v: unsafe { p.v.add(off(p.vs, b, hk, 0)) },
+            ldv: p.vs[2],
+            j_begin,
+            j_end,
+            scale: p.scale,
+            walk: DecodeWalk::Auto,
+        };
+        // SAFETY: rows, K/V and masks are in bounds for keys < j_end ≤ Lk; `dst` holds
+        // `nrows` partial rows of `pl` floats owned by this task; the ISA was checked.
+        unsafe { E::decode_partial(p.isa, &args, dst.add(r0 * pl), pl, scratch) };
+    }
 }

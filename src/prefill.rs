@@ -1,12 +1,13 @@
 //! The prefill driver of [`crate::sdpa`]: tasks of (batch, head, query block) on the fused flash
 //! kernel, in parallel or in one loop.
 
-use crate::exec::{parallel, run_tasks};
+use crate::error::Result;
+use crate::exec::parallel;
 use crate::options::Par;
 use crate::plan::{off, Plan};
-use crate::scratch::with_scratch;
+use crate::scratch::{run_tasks_scratch, try_with_scratch};
 use crate::view::store_rounded;
-use attnkit_kernels::{flash_forward_as, scratch_len, Dtype, Elem, FlashArgs};
+use attnkit_kernels::{flash_forward_as, scratch_len_as, Dtype, Elem, FlashArgs};
 
 /// Query rows per task: enough to amortise packing each K/V block, few enough that long
 /// sequences give every core many tasks. Depends on the shape only, never on the thread count,
@@ -41,31 +42,27 @@ fn q_blocks<E, O>(p: &Plan<E, O>) -> usize {
 }
 
 /// Runs every (batch, head, query block) task of `p` (the prefill kernel; `p` has work to do).
-pub(crate) fn run<E: Elem, O: Elem>(p: &Plan<E, O>, par: Par) {
+///
+/// # Errors
+/// [`AttnError::Alloc`](crate::AttnError) if the kernel's scratch cannot be allocated (then
+/// nothing was written).
+pub(crate) fn run<E: Elem, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
     let s = &p.shape;
     let (nqb, group) = (q_blocks(p), s.hq / s.hkv);
     let n = s.b * s.hq * nqb;
-    let rows = q_block(p).min(s.lq);
-    // A 16-bit output is written by the kernel into f32 scratch and rounded from there.
-    let staged = if O::DTYPE == Dtype::F32 {
-        0
-    } else {
-        rows * s.dv
-    };
-    let len = scratch_len(rows, s.d, s.dv) + staged;
+    let len = task_scratch_len(p, q_block(p).min(s.lq));
     if parallel(par, n, p.work()) {
         // Later query blocks first: under a causal mask they are the expensive ones, and
         // rayon hands out ranges front to back.
-        run_tasks(par, n, p.work(), |t| {
+        return run_tasks_scratch(par, n, p.work(), len, |t, scratch| {
             let (bh, qb) = (t / nqb, nqb - 1 - t % nqb);
             let (b, h) = (bh / s.hq, bh % s.hq);
-            with_scratch(len, |scratch| task(p, b, h, h / group, qb, scratch));
+            task(p, b, h, h / group, qb, scratch);
         });
-        return;
     }
     // On one thread: one scratch borrow and no index arithmetic per task, which small calls
     // (16 tasks of 10 rows at (2, 8, 10, 16)) notice.
-    with_scratch(len, |scratch| {
+    try_with_scratch(len, |scratch| {
         for b in 0..s.b {
             for hk in 0..s.hkv {
                 for h in hk * group..(hk + 1) * group {
@@ -75,11 +72,23 @@ pub(crate) fn run<E: Elem, O: Elem>(p: &Plan<E, O>, par: Par) {
                 }
             }
         }
-    });
+    })
 }
 
-/// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of at
-/// least `scratch_len(q_block, D, Dv)` floats, plus `q_block·Dv` for an output not in f32.
+/// Scratch floats of a task of `m` rows: the kernel's, plus `m·Dv` for an output not in f32
+/// (written by the kernel into f32 scratch and rounded from there).
+fn task_scratch_len<E: Elem, O: Elem>(p: &Plan<E, O>, m: usize) -> usize {
+    let s = &p.shape;
+    let staged = if O::DTYPE == Dtype::F32 {
+        0
+    } else {
+        m.saturating_mul(s.dv)
+    };
+    scratch_len_as::<E, E>(m, s.d, s.dv).saturating_add(staged)
+}
+
+/// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of
+/// at least [`task_scratch_len`] floats.
 fn task<E: Elem, O: Elem>(
     p: &Plan<E, O>,
     b: usize,
@@ -92,7 +101,7 @@ fn task<E: Elem, O: Elem>(
     let row0 = qb * q_block(p);
     let m = q_block(p).min(s.lq - row0);
     let out = off(p.os, b, h, row0);
-    let (scratch, staged) = scratch.split_at_mut(scratch_len(m, s.d, s.dv));
+    let (scratch, staged) = scratch.split_at_mut(scratch_len_as::<E, E>(m, s.d, s.dv));
     // The kernel's destination: `out` itself in f32, else `m` dense rows of `staged`.
     let (o, ldo) = if O::DTYPE == Dtype::F32 {
         // SAFETY: offset inside the validated view; `O` is f32 here.

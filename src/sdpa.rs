@@ -32,7 +32,8 @@ use attnkit_kernels::{Elem, Operand};
 /// [`AttnError`](crate::AttnError) naming the argument and sizes for: a dimension that disagrees between q, k, v,
 /// out and the mask; a buffer shorter than its view; an output view whose rows overlap; `Hq` not
 /// a multiple of `Hkv`; a key length `> Lk`; sizes that overflow; a non-finite scale; an ISA the
-/// CPU lacks.
+/// CPU lacks; kernel scratch the allocator refuses (kept per thread, a few hundred times
+/// `D + Dv` floats). A refused call writes nothing.
 ///
 /// # Example
 /// ```
@@ -94,18 +95,17 @@ pub fn sdpa_ext<E: Operand, O: Elem>(
     mut extras: Extras,
 ) -> Result<()> {
     let plan = Plan::new(q, k, v, out, opts, &mut extras)?;
-    execute(&plan, opts.par);
-    Ok(())
+    execute(&plan, opts.par)
 }
 
 /// Runs a validated plan: the cases with nothing to compute, then the driver of its kernel.
-fn execute<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
+fn execute<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
     let s = &p.shape;
     if s.b == 0 || s.hq == 0 || s.lq == 0 {
-        return;
+        return Ok(());
     }
     if s.dv == 0 && p.lse.is_null() && p.weights.is_null() {
-        return; // nothing to write
+        return Ok(()); // nothing to write
     }
     let unmasked = p.bias.is_none()
         && p.mask.is_none()
@@ -113,7 +113,8 @@ fn execute<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) {
         && p.alibi.is_none()
         && p.sinks.is_none();
     if s.d == 0 && s.dv == 0 && unmasked {
-        return run_lse_only(p);
+        run_lse_only(p);
+        return Ok(());
     }
     match p.kernel {
         Kernel::Decode => crate::decode::run(p, par),

@@ -6,12 +6,11 @@
 //! `blas` feature (single-threaded inside our rayon tasks; see [`sdpa_unfused_with`]).
 
 use crate::error::Result;
-use crate::exec::run_tasks;
 use crate::gemm::sgemm;
 pub use crate::gemm::Backend;
 use crate::options::SdpaOptions;
 use crate::plan::{off, Plan};
-use crate::scratch::with_scratch;
+use crate::scratch::run_tasks_scratch;
 use crate::view::{Tensor, TensorMut};
 use crate::Extras;
 use attnkit_kernels::{apply_scores, softmax_row_with_sink};
@@ -66,10 +65,14 @@ pub fn sdpa_unfused_with(
 ) -> Result<()> {
     let plan = Plan::new(q, k, v, out, opts, &mut Extras::default())?;
     let s = plan.shape;
-    run_tasks(opts.par, s.b * s.hq, plan.work(), |bh| {
-        head(&plan, bh, backend)
-    });
-    Ok(())
+    if s.lq == 0 || s.dv == 0 {
+        return Ok(());
+    }
+    // The score matrix of one head, Lq·Lk floats (saturating: an absurd size is refused).
+    let len = s.lq.saturating_mul(s.lk);
+    run_tasks_scratch(opts.par, s.b * s.hq, plan.work(), len, |bh, sc| {
+        head(&plan, bh, backend, sc)
+    })
 }
 
 /// Number of `cblas_sgemm` calls made so far by this process (feature `blas`): lets tests prove
@@ -93,71 +96,67 @@ pub fn blas_core() -> String {
     crate::gemm::blas_core()
 }
 
-fn head(p: &Plan, bh: usize, backend: Backend) {
+/// Head `bh` (batch-major) with `sc` of at least `Lq·Lk` floats.
+fn head(p: &Plan, bh: usize, backend: Backend, sc: &mut [f32]) {
     let s = p.shape;
     let (b, h) = (bh / s.hq, bh % s.hq);
-    if s.lq == 0 || s.dv == 0 {
-        return;
-    }
     let hk = h / (s.hq / s.hkv);
-    with_scratch(s.lq * s.lk, |sc| {
-        // SAFETY: offsets and extents were validated by `Plan::new` (the spec's masks cover
-        // `Lq` rows of `Lk` keys); this head's output rows are disjoint from every other head's;
-        // `sc` holds Lq·Lk elements.
-        unsafe {
-            let q = p.q.add(off(p.qs, b, h, 0));
-            let k = p.k.add(off(p.ks, b, hk, 0));
-            let v = p.v.add(off(p.vs, b, hk, 0));
-            let o = p.o.add(off(p.os, b, h, 0));
-            let (lq, lk, d, dv) = (s.lq, s.lk, s.d, s.dv);
-            // S = scale · Q · Kᵀ: Kᵀ is K read with swapped strides.
-            sgemm(
-                backend,
-                lq,
-                d,
-                lk,
-                p.scale,
-                q,
-                p.qs[2] as isize,
-                1,
-                k,
-                1,
-                p.ks[2] as isize,
-                0.0,
-                sc.as_mut_ptr(),
-                lk as isize,
-                1,
-            );
-            let spec = p.spec(b, h, 0);
-            let sink = spec.sink.unwrap_or(f32::NEG_INFINITY);
-            for i in 0..lq {
-                let row = &mut sc[i * lk..(i + 1) * lk];
-                apply_scores(p.isa, &spec, i, 0, row);
-                softmax_row_with_sink(p.isa, row, sink);
-            }
-            if lk == 0 {
-                for i in 0..lq {
-                    core::slice::from_raw_parts_mut(o.add(i * p.os[2]), dv).fill(0.0);
-                }
-                return;
-            }
-            sgemm(
-                backend,
-                lq,
-                lk,
-                dv,
-                1.0,
-                sc.as_ptr(),
-                lk as isize,
-                1,
-                v,
-                p.vs[2] as isize,
-                1,
-                0.0,
-                o,
-                p.os[2] as isize,
-                1,
-            );
+    // SAFETY: offsets and extents were validated by `Plan::new` (the spec's masks cover
+    // `Lq` rows of `Lk` keys); this head's output rows are disjoint from every other head's;
+    // `sc` holds Lq·Lk elements.
+    unsafe {
+        let q = p.q.add(off(p.qs, b, h, 0));
+        let k = p.k.add(off(p.ks, b, hk, 0));
+        let v = p.v.add(off(p.vs, b, hk, 0));
+        let o = p.o.add(off(p.os, b, h, 0));
+        let (lq, lk, d, dv) = (s.lq, s.lk, s.d, s.dv);
+        // S = scale · Q · Kᵀ: Kᵀ is K read with swapped strides.
+        sgemm(
+            backend,
+            lq,
+            d,
+            lk,
+            p.scale,
+            q,
+            p.qs[2] as isize,
+            1,
+            k,
+            1,
+            p.ks[2] as isize,
+            0.0,
+            sc.as_mut_ptr(),
+            lk as isize,
+            1,
+        );
+        let spec = p.spec(b, h, 0);
+        let sink = spec.sink.unwrap_or(f32::NEG_INFINITY);
+        for i in 0..lq {
+            let row = &mut sc[i * lk..(i + 1) * lk];
+            apply_scores(p.isa, &spec, i, 0, row);
+            softmax_row_with_sink(p.isa, row, sink);
         }
-    });
+        if lk == 0 {
+            for i in 0..lq {
+                core::slice::from_raw_parts_mut(o.add(i * p.os[2]), dv).fill(0.0);
+            }
+            return;
+        }
+        sgemm(
+            backend,
+            lq,
+            lk,
+            dv,
+            1.0,
+            sc.as_ptr(),
+            lk as isize,
+            1,
+            v,
+            p.vs[2] as isize,
+            1,
+            0.0,
+            o,
+            p.os[2] as isize,
+            1,
+        );
+    }
 }

@@ -84,11 +84,62 @@ const fn round_up(x: usize, w: usize) -> usize {
     x.div_ceil(w) * w
 }
 
-/// f32 elements of scratch [`crate::flash_forward`] needs for these extents (enough for every ISA
-/// and element type; f32 operands leave the last `key_block(d)·(d + dv) + m·d` untouched).
+/// f32 elements of scratch [`crate::flash_forward`] needs for these extents, with f32 operands
+/// (enough for every ISA).
 pub fn scratch_len(m: usize, d: usize, dv: usize) -> usize {
-    let mp = round_up(m, 16);
-    d * mp + key_block(d) * mp + dv * mp + 4 * mp + key_block(d) * (d + dv) + m * d + ALIGN_SLACK
+    scratch_len_as::<f32, f32>(m, d, dv)
+}
+
+/// f32 elements of scratch [`crate::flash_forward_as`] needs for these extents, Q of type `Q`
+/// and K, V of type `KV` (enough for every ISA). Saturates rather than overflows, so an
+/// absurd shape asks for an allocation that fails.
+pub fn scratch_len_as<Q: Elem, KV: Elem>(m: usize, d: usize, dv: usize) -> usize {
+    Layout::new(m, d, dv, Operands::of::<Q, KV>()).total()
+}
+
+/// Lengths of the kernel's scratch buffers (see [`forward_with`]), each a lane multiple.
+struct Layout {
+    /// Q̂ᵀ, Sᵀ, Oᵀ; one row of `m` values (four of them).
+    qt: usize,
+    st: usize,
+    ot: usize,
+    row: usize,
+    /// Widened K and V key blocks, widened Q: zero for f32 operands, which are read in place.
+    kw: usize,
+    vw: usize,
+    qw: usize,
+}
+
+impl Layout {
+    fn new(m: usize, d: usize, dv: usize, ops: Operands) -> Self {
+        let mp = round_up(m, 16);
+        let kb = key_block(d);
+        let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
+        Layout {
+            qt: d.saturating_mul(mp),
+            st: kb * mp,
+            ot: dv.saturating_mul(mp),
+            row: mp,
+            kw: wide(ops.kv, d.saturating_mul(kb)),
+            vw: wide(ops.kv, dv.saturating_mul(kb)),
+            qw: wide(ops.q, m.saturating_mul(d)),
+        }
+    }
+
+    fn total(&self) -> usize {
+        [
+            self.qt,
+            self.st,
+            self.ot,
+            4 * self.row,
+            self.kw,
+            self.vw,
+            self.qw,
+            ALIGN_SLACK,
+        ]
+        .into_iter()
+        .fold(0, usize::saturating_add)
+    }
 }
 
 /// Rows `< rows` of `src` (stride `lds`, `cols` wide) widened into `dst` (dense, stride `cols`).
@@ -184,13 +235,7 @@ pub(crate) fn erase<Q: Elem, KV: Elem>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Oper
         weights,
         ldw,
     };
-    (
-        erased,
-        Operands {
-            q: Q::DTYPE,
-            kv: KV::DTYPE,
-        },
-    )
+    (erased, Operands::of::<Q, KV>())
 }
 
 /// The element types behind an [`erase`]d argument set's `q` and its `k`, `v`.
@@ -200,12 +245,21 @@ pub(crate) struct Operands {
     kv: Dtype,
 }
 
+impl Operands {
+    fn of<Q: Elem, KV: Elem>() -> Self {
+        Operands {
+            q: Q::DTYPE,
+            kv: KV::DTYPE,
+        }
+    }
+}
+
 /// The fused kernel, generic over the vector type.
 ///
 /// # Safety
 /// Every pointer in `args` is valid for the extents it describes, `q` holding `ops.q` elements
 /// and `k`, `v` `ops.kv` ones (an [`erase`]d argument set); `o`, `lse` and `weights` do not
-/// overlap each other or any input; `scratch.len() ≥ scratch_len(m, d, dv)`; the ISA of `S` is
+/// overlap each other or any input; `scratch.len() ≥ scratch_len_as::<Q, KV>(m, d, dv)`; the ISA of `S` is
 /// enabled on this CPU.
 #[inline(always)]
 pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(
@@ -241,10 +295,8 @@ unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
     let w = S::W;
     let nb_max = key_block(d);
     let mp = round_up(m, w);
-    debug_assert!(
-        scratch.len() >= scratch_len(m, d, dv),
-        "flash scratch too short"
-    );
+    let lay = Layout::new(m, d, dv, ops);
+    debug_assert!(scratch.len() >= lay.total(), "flash scratch too short");
     // Every sub-buffer is a lane multiple long, so each starts on a vector boundary too.
     let (qt, rest) = aligned(scratch).split_at_mut(d * mp);
     let (st, rest) = rest.split_at_mut(nb_max * mp);
@@ -256,11 +308,12 @@ unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
     // 16-bit K and V are widened a key block at a time (`kw`, `vw`, dense), so the tiles, which
     // broadcast K and V element by element, always read f32: broadcasting 16-bit elements in
     // place cost a scalar conversion per element (bf16 prefill ran at 0.65× f32, f16 at 0.3×).
-    let (kw, rest) = rest.split_at_mut(nb_max * d);
-    let (vw, rest) = rest.split_at_mut(nb_max * dv);
+    // (Empty for f32 operands.)
+    let (kw, rest) = rest.split_at_mut(lay.kw);
+    let (vw, rest) = rest.split_at_mut(lay.vw);
     // And 16-bit Q once per call, for the shuffle transpose (element by element, it cost f16
     // inputs 10-15 % of small calls).
-    let qw = &mut rest[..m * d];
+    let qw = &mut rest[..lay.qw];
 
     // Both ends of the visible range grow with r: the last row bounds the key loop above, the
     // first below.

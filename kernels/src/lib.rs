@@ -37,7 +37,7 @@ pub use decode::{
     DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
 };
 pub use elem::{Dtype, Elem};
-pub use flash::{key_block, scratch_len, FlashArgs};
+pub use flash::{key_block, scratch_len, scratch_len_as, FlashArgs};
 pub use half::{bf16, f16};
 pub use heads::{merge_heads, split_heads};
 pub use isa::{Isa, IsaError};
@@ -113,14 +113,14 @@ pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
 /// rest is the same kernel, compiled here once for every type).
 ///
 /// # Safety
-/// As [`flash_forward`].
+/// As [`flash_forward`], with `scratch.len() ≥ scratch_len_as::<Q, KV>(m, d, dv)`.
 pub unsafe fn flash_forward_as<Q: Elem, KV: Elem>(
     isa: Isa,
     args: &FlashArgs<Q, KV>,
     scratch: &mut [f32],
 ) {
     assert!(
-        scratch.len() >= scratch_len(args.m, args.d, args.dv),
+        scratch.len() >= scratch_len_as::<Q, KV>(args.m, args.d, args.dv),
         "flash scratch too short"
     );
     let (args, ops) = flash::erase(args);

@@ -7,8 +7,8 @@
 
 use attnkit_kernels::{
     bf16, decode_partial, decode_scratch_len, f16, flash_forward, flash_forward_as, merge_partials,
-    partial_len, reference, scratch_len, DecodeArgs, DecodeRow, DecodeWalk, Elem, FlashArgs, Isa,
-    Operand, ScoreSpec,
+    partial_len, reference, scratch_len_as, DecodeArgs, DecodeRow, DecodeWalk, Elem, FlashArgs,
+    Isa, Operand, ScoreSpec,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -68,7 +68,7 @@ fn flash<Q: Elem, KV: Elem>(
         weights: std::ptr::null_mut(),
         ldw: 0,
     };
-    let mut scratch = vec![0.0f32; scratch_len(s.m, s.d, s.dv)];
+    let mut scratch = vec![0.0f32; scratch_len_as::<Q, KV>(s.m, s.d, s.dv)];
     kernel(&args, &mut scratch);
     (o, lse)
 }

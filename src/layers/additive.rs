@@ -7,7 +7,7 @@ use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
 use crate::gemm::{sgemm, Backend};
 use crate::options::{AttnMask, Par};
-use crate::scratch::with_scratch;
+use crate::scratch::run_tasks_scratch;
 use attnkit_kernels::{
     additive_forward, additive_scratch_len, AdditiveArgs, Isa, ScoreSpec, ADDITIVE_KEY_PAD,
 };
@@ -547,57 +547,60 @@ impl AdditiveAttention {
             .saturating_mul(lk)
             .saturating_mul(a)
             .saturating_mul(16);
-        run_tasks(exec.par, b * qblocks, work, |t| {
-            let (bi, row0) = (t / qblocks, (t % qblocks) * Q_BLOCK);
-            let m = Q_BLOCK.min(lq - row0);
-            let wrow = (bi * lq + row0) * lk;
-            let opt_add = |p: *mut f32| if p.is_null() { p } else { p.wrapping_add(wrow) };
-            // SAFETY: every offset addresses rows validated above: `qp` (B, Lq, A),
-            // `kt` (B, A, ldkt), values (B, Lk, Dv) per its strides, `out` dense in query order,
-            // masks per their broadcast strides, weights/scores dense (B, Lq, Lk).
-            let args = unsafe {
-                AdditiveArgs {
-                    m,
-                    n: lk,
-                    a,
-                    dv,
-                    spec: ScoreSpec {
-                        bias: if bias_p.0.get().is_null() {
-                            core::ptr::null()
-                        } else {
-                            bias_p.0.get().add(bi * bias_p.1[0] + row0 * bias_p.1[1])
+        run_tasks_scratch(
+            exec.par,
+            b * qblocks,
+            work,
+            additive_scratch_len(dv),
+            |t, scratch| {
+                let (bi, row0) = (t / qblocks, (t % qblocks) * Q_BLOCK);
+                let m = Q_BLOCK.min(lq - row0);
+                let wrow = (bi * lq + row0) * lk;
+                let opt_add = |p: *mut f32| if p.is_null() { p } else { p.wrapping_add(wrow) };
+                // SAFETY: every offset addresses rows validated above: `qp` (B, Lq, A),
+                // `kt` (B, A, ldkt), values (B, Lk, Dv) per its strides, `out` dense in query order,
+                // masks per their broadcast strides, weights/scores dense (B, Lq, Lk).
+                let args = unsafe {
+                    AdditiveArgs {
+                        m,
+                        n: lk,
+                        a,
+                        dv,
+                        spec: ScoreSpec {
+                            bias: if bias_p.0.get().is_null() {
+                                core::ptr::null()
+                            } else {
+                                bias_p.0.get().add(bi * bias_p.1[0] + row0 * bias_p.1[1])
+                            },
+                            ldbias: bias_p.1[1],
+                            mask: if mask_p.0.get().is_null() {
+                                core::ptr::null()
+                            } else {
+                                mask_p.0.get().add(bi * mask_p.1[0] + row0 * mask_p.1[1])
+                            },
+                            ldmask: mask_p.1[1],
+                            row0,
+                            ..ScoreSpec::new(lens.map_or(lk, |l| l[bi]))
                         },
-                        ldbias: bias_p.1[1],
-                        mask: if mask_p.0.get().is_null() {
-                            core::ptr::null()
-                        } else {
-                            mask_p.0.get().add(bi * mask_p.1[0] + row0 * mask_p.1[1])
-                        },
-                        ldmask: mask_p.1[1],
-                        row0,
-                        ..ScoreSpec::new(lens.map_or(lk, |l| l[bi]))
-                    },
-                    qp: ptrs.0.get().add((bi * lq + row0) * a),
-                    ldq: a,
-                    kpt: ptrs.1.get().add(bi * per_b),
-                    ldkt,
-                    wv: ptrs.2.get(),
-                    v: ptrs.3.get().wrapping_add(bi * vsb),
-                    ldv: vsl,
-                    o: ptrs.4.get().wrapping_add(bi * os[0] + row0 * os[1]),
-                    ldo: os[1],
-                    scores: opt_add(ptrs.6.get()),
-                    weights: opt_add(ptrs.5.get()),
-                    ldw: lk,
-                }
-            };
-            with_scratch(additive_scratch_len(dv), |scratch| {
+                        qp: ptrs.0.get().add((bi * lq + row0) * a),
+                        ldq: a,
+                        kpt: ptrs.1.get().add(bi * per_b),
+                        ldkt,
+                        wv: ptrs.2.get(),
+                        v: ptrs.3.get().wrapping_add(bi * vsb),
+                        ldv: vsl,
+                        o: ptrs.4.get().wrapping_add(bi * os[0] + row0 * os[1]),
+                        ldo: os[1],
+                        scores: opt_add(ptrs.6.get()),
+                        weights: opt_add(ptrs.5.get()),
+                        ldw: lk,
+                    }
+                };
                 // SAFETY: `args` describes validated, in-bounds extents (k′ᵀ rows are `ldkt`
                 // long, a multiple of the key padding, zero beyond Lk); this task's output rows
                 // are disjoint from every other task's; the ISA was checked.
                 unsafe { additive_forward(isa, &args, scratch) }
-            });
-        });
-        Ok(())
+            },
+        )
     }
 }
