@@ -24,8 +24,10 @@ UPDATE=0
 
 # unfused-blas needs the system OpenBLAS; without it, measure the rest and say so.
 FEATURES=()
+BLAS_IMPL=""
 if pkg-config --exists openblas 2>/dev/null || compgen -G "/usr/lib/*/libopenblas.so" >/dev/null; then
     FEATURES=(--features blas)
+    BLAS_IMPL=",unfused-blas"
 else
     echo "bench_all: libopenblas not found (apt-get install libopenblas-dev): no unfused-blas" >&2
 fi
@@ -75,7 +77,7 @@ measure() { # measure DIR: one round of every measurement, JSON lines into DIR
         [[ $p == decode ]] && COLD=(--cold)
         echo "bench_all: attnbench --preset $p --threads $THREADS ${COLD[*]}" >&2
         "$BIN" --preset "$p" --threads "$THREADS" --json "${COLD[@]}" \
-            --impl fused,read-kv,fused-prefill,fused-decode,unfused-mm,unfused-blas,naive > "$R/attnbench-$p.jsonl"
+            --impl "fused,read-kv,fused-prefill,fused-decode,unfused-mm$BLAS_IMPL,naive" > "$R/attnbench-$p.jsonl"
         if [[ $HAVE_TORCH == 1 ]]; then
             echo "bench_all: bench_torch.py --preset $p --threads $THREADS ${COLD[*]}" >&2
             $PYTHON scripts/bench_torch.py --preset "$p" --threads "$THREADS" "${COLD[@]}" \

@@ -67,6 +67,19 @@ pub enum AttnError {
         /// Tokens it can hold.
         capacity: usize,
     },
+    /// A range along one axis of a view reaches past the axis.
+    Range {
+        /// The argument (`"rows"`, …).
+        arg: &'static str,
+        /// The axis (`"L"`, …).
+        dim: &'static str,
+        /// The range asked for, `start..end`.
+        start: usize,
+        /// End of the range (exclusive).
+        end: usize,
+        /// The axis's size.
+        size: usize,
+    },
     /// A product of sizes overflows: past `isize::MAX` elements, more than any buffer can hold
     /// (or, for loop bounds over empty rows, than any index can count).
     Overflow {
@@ -163,6 +176,9 @@ impl fmt::Display for AttnError {
                 f,
                 "KV cache sequence {batch} holds {len} tokens; appending {append} exceeds its capacity {capacity}"
             ),
+            AttnError::Range { arg, dim, start, end, size } => {
+                write!(f, "`{arg}`: {start}..{end} is not inside {dim} = {size}")
+            }
             AttnError::Overflow { arg } => write!(f, "`{arg}`: size overflows (over isize::MAX elements)"),
             AttnError::Alloc { arg, bytes } => {
                 write!(f, "`{arg}`: could not allocate {bytes} bytes")

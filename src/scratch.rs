@@ -9,7 +9,6 @@
 
 use crate::alloc::try_zeros;
 use crate::error::Result;
-use crate::exec::parallel;
 use crate::options::Par;
 use std::cell::RefCell;
 
@@ -34,7 +33,7 @@ pub(crate) fn try_with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -
 }
 
 /// Runs `f(t, scratch)` for `t` in `0..n`, each with `len` floats of scratch, on the rayon pool
-/// when [`parallel`] says so, else in one loop on this thread. Either every task runs, or none
+/// when [`parallel`](crate::exec::parallel) says so, else in one loop on this thread. Either every task runs, or none
 /// does and the error says why: this thread's scratch is grown first, and the tasks of a worker
 /// that cannot grow its own are rerun here afterwards.
 pub(crate) fn run_tasks_scratch(
@@ -46,7 +45,7 @@ pub(crate) fn run_tasks_scratch(
 ) -> Result<()> {
     try_with_scratch(len, |_| ())?;
     #[cfg(feature = "rayon")]
-    if parallel(par, n, work) {
+    if crate::exec::parallel(par, n, work) {
         use rayon::prelude::*;
         let refused = std::sync::Mutex::new(Vec::new());
         (0..n).into_par_iter().for_each(|t| {

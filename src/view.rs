@@ -5,6 +5,7 @@
 
 use crate::error::{AttnError, Result};
 use attnkit_kernels::Elem;
+use core::ops::Range;
 
 /// Memory order of a `(B, H, L, D)` tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +88,58 @@ impl<'a, E: Elem> Tensor<'a, E> {
     pub fn shape(&self) -> [usize; 4] {
         self.shape
     }
+    /// Rows `rows` of the L axis, for every batch and head: the same strides and memory, `L` =
+    /// `rows.len()`. Token `t` of a projection for [`KvCache::append`](crate::KvCache::append):
+    /// `x.rows(t..t + 1)?`.
+    ///
+    /// # Errors
+    /// [`AttnError::Range`] if `rows` reaches past `L` (or is reversed).
+    ///
+    /// # Example
+    /// ```
+    /// use attnkit::Tensor;
+    /// let x: Vec<f32> = (0..24).map(|i| i as f32).collect(); // (B, L, H, D) = (1, 3, 2, 4)
+    /// let t1 = Tensor::blhd(&x, [1, 2, 3, 4]).rows(1..2)?;
+    /// assert_eq!(t1.shape(), [1, 2, 1, 4]);
+    /// # Ok::<(), attnkit::AttnError>(())
+    /// ```
+    pub fn rows(self, rows: Range<usize>) -> Result<Tensor<'a, E>> {
+        let (shape, offset) = narrow_rows(self.shape, self.strides, &rows)?;
+        Ok(Tensor {
+            data: self.data.get(offset..).unwrap_or_default(),
+            shape,
+            strides: self.strides,
+        })
+    }
+}
+
+/// The shape of rows `rows` of a view and the offset of its first element; an offset past the
+/// buffer is left for the call to refuse as a short buffer.
+fn narrow_rows(
+    shape: [usize; 4],
+    strides: [usize; 3],
+    rows: &Range<usize>,
+) -> Result<([usize; 4], usize)> {
+    let l = shape[2];
+    if rows.start > rows.end || rows.end > l {
+        return Err(AttnError::Range {
+            arg: "rows",
+            dim: "L",
+            start: rows.start,
+            end: rows.end,
+            size: l,
+        });
+    }
+    let mut out = shape;
+    out[2] = rows.len();
+    // Nothing is addressed when the view is empty; otherwise `start < L`, and the view's own
+    // extent (checked by the call) bounds `start·stride`.
+    let offset = if out.contains(&0) {
+        0
+    } else {
+        rows.start.saturating_mul(strides[2])
+    };
+    Ok((out, offset))
 }
 
 impl<'a, E: Elem> TensorMut<'a, E> {
@@ -117,6 +170,19 @@ impl<'a, E: Elem> TensorMut<'a, E> {
     /// Logical shape `(B, H, L, D)`.
     pub fn shape(&self) -> [usize; 4] {
         self.shape
+    }
+    /// Rows `rows` of the L axis, as [`Tensor::rows`], borrowed from this view.
+    ///
+    /// # Errors
+    /// As [`Tensor::rows`].
+    pub fn rows(&mut self, rows: Range<usize>) -> Result<TensorMut<'_, E>> {
+        let (shape, offset) = narrow_rows(self.shape, self.strides, &rows)?;
+        let len = self.data.len();
+        Ok(TensorMut {
+            data: &mut self.data[offset.min(len)..],
+            shape,
+            strides: self.strides,
+        })
     }
 }
 

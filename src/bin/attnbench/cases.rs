@@ -92,7 +92,6 @@ pub const PRESETS: &[(&str, &str)] = &[
     ),
     ("decode", "Lq=1, Lk in {1024, 8192, 32768}, B=1, H=32, Hkv in {32, 8}, D=128"),
     ("small", "(2,8,10,16), (1,4,64,32), causal and not"),
-    ("layers", "multi-head and additive attention layers (measured by `cargo run --release --example layers_bench`)"),
 ];
 
 /// `(B, H, L, D)` square shapes, each causal and not.
@@ -133,10 +132,6 @@ pub fn preset(name: &str) -> Option<Vec<Case>> {
             })
             .collect(),
         "small" => square(&[(2, 8, 10, 16), (1, 4, 64, 32)]),
-        // EXTENSION POINT (layers): the multi-head and additive layers do not exist yet. When they
-        // do, give them their own workload (embedding size, heads, batch, sequence) next to `Case`,
-        // an implementation per layer in `impls.rs`, and list their shapes here.
-        "layers" => Vec::new(),
         _ => return None,
     })
 }

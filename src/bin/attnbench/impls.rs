@@ -1,8 +1,4 @@
 //! The implementations under test, behind one small trait so that new ones slot in.
-//!
-//! EXTENSION POINT (layers): the `mha` and `additive` layers are reserved names (see [`LAYERS`]);
-//! when the layers exist, implement [`Impl`] for each (its `run` calls the layer's forward) and
-//! return it from [`by_name`]; the `layers` preset in `cases.rs` then lists their shapes.
 
 use crate::cases::Case;
 use attnkit::kernels::reference;
@@ -114,8 +110,9 @@ pub const NAMES: &[&str] = &[
     "unfused-blas",
     "naive",
 ];
-/// Reserved for the attention layers (their throughput is measured by `examples/layers_bench.rs`, which needs weights and a FLOP convention of its own).
-pub const LAYERS: &[&str] = &["mha", "additive"];
+/// The attention layers: not measured here but by `examples/layers_bench.rs` (they need
+/// weights and a FLOP convention of their own); `--impl` names them only to say so.
+const LAYERS: &[&str] = &["mha", "additive"];
 
 fn views<'a, E: Elem>(
     case: &Case,
@@ -382,13 +379,13 @@ pub fn by_name(name: &str, naive_max_macs: f64) -> Result<Box<dyn Impl>, String>
         "unfused-blas" => Ok(Box::new(Unfused("unfused-blas", Backend::Blas))),
         #[cfg(not(feature = "blas"))]
         "unfused-blas" => {
-            Err("unfused-blas: skipped, this binary was built without `--features blas`".into())
+            Err("unfused-blas: this binary was built without `--features blas`".into())
         }
         "naive" => Ok(Box::new(Naive {
             max_macs: naive_max_macs,
         })),
         n if LAYERS.contains(&n) => Err(format!(
-            "{n}: skipped here; run `cargo run --release --example layers_bench` for the layers"
+            "{n}: the layers are measured by `cargo run --release --example layers_bench`"
         )),
         n => Err(format!(
             "unknown implementation {n:?}; known: {}",
@@ -400,6 +397,17 @@ pub fn by_name(name: &str, naive_max_macs: f64) -> Result<Box<dyn Impl>, String>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Names this build cannot run are errors that say why (main turns them into a failed run).
+    #[test]
+    fn unavailable_implementations_are_errors() {
+        for name in LAYERS {
+            let e = by_name(name, 0.0).err().expect(name);
+            assert!(e.contains("layers_bench"), "{e}");
+        }
+        assert_eq!(by_name("unfused-blas", 0.0).is_ok(), cfg!(feature = "blas"));
+        assert!(by_name("fast", 0.0).err().unwrap().contains("unknown"));
+    }
 
     /// Every implementation agrees with the others on a small case, causal and not.
     #[test]

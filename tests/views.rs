@@ -1,0 +1,112 @@
+//! Narrowing views to rows (`Tensor::rows`, `TensorMut::rows`): the same memory and strides,
+//! a range outside L refused by name.
+
+use attnkit::{sdpa, AttnError, KvCache, SdpaOptions, Tensor, TensorMut};
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+        .collect()
+}
+
+#[test]
+fn rows_outside_l_are_refused() {
+    let x = vec![0.0f32; 2 * 3 * 5 * 4];
+    let t = Tensor::bhld(&x, [2, 3, 5, 4]);
+    for (a, b) in [(0, 6), (5, 6), (6, 6), (3, 2)] {
+        assert_eq!(
+            t.rows(a..b).err(),
+            Some(AttnError::Range {
+                arg: "rows",
+                dim: "L",
+                start: a,
+                end: b,
+                size: 5
+            }),
+            "{a}..{b}"
+        );
+    }
+    for (a, b) in [(0, 5), (4, 5), (5, 5), (0, 0), (2, 4)] {
+        assert_eq!(t.rows(a..b).unwrap().shape(), [2, 3, b - a, 4]);
+    }
+    let mut y = x.clone();
+    let mut o = TensorMut::bhld(&mut y, [2, 3, 5, 4]);
+    assert!(matches!(o.rows(1..7), Err(AttnError::Range { end: 7, .. })));
+}
+
+/// A cache filled token by token through `rows(t..t + 1)` of a `(B, L, H, D)` projection holds
+/// what one append of all of it holds: attention over both is bitwise equal.
+#[test]
+fn token_by_token_appends_through_rows() {
+    let (b, h, l, d, dv) = (2, 3, 7, 5, 6);
+    let (k, v) = (values(b * l * h * d, 1), values(b * l * h * dv, 2));
+    let (kt, vt) = (
+        Tensor::blhd(&k, [b, h, l, d]),
+        Tensor::blhd(&v, [b, h, l, dv]),
+    );
+    let mut whole = KvCache::new(b, h, l, d, dv).unwrap();
+    whole.append(&kt, &vt).unwrap();
+    let mut steps = KvCache::new(b, h, l, d, dv).unwrap();
+    for t in 0..l {
+        steps
+            .append(&kt.rows(t..t + 1).unwrap(), &vt.rows(t..t + 1).unwrap())
+            .unwrap();
+    }
+    let q = values(b * h * d, 3);
+    let qt = Tensor::bhld(&q, [b, h, 1, d]);
+    let attend = |c: &KvCache| {
+        let mut out = vec![0.0f32; b * h * dv];
+        c.attend(
+            &qt,
+            &mut TensorMut::bhld(&mut out, [b, h, 1, dv]),
+            &SdpaOptions::new(),
+        )
+        .unwrap();
+        out
+    };
+    assert_eq!(attend(&whole), attend(&steps));
+}
+
+/// `sdpa` into `out.rows(r)` for the query rows `q.rows(r)` writes those rows and no others,
+/// equal to the same rows of one call over all of them (the rows are independent).
+#[test]
+fn sdpa_on_row_ranges() {
+    let (b, h, l, d) = (2, 2, 37, 8);
+    let q = values(b * h * l * d, 4);
+    let kv = values(b * h * l * d, 5);
+    let shape = [b, h, l, d];
+    let (qt, kt) = (Tensor::blhd(&q, shape), Tensor::blhd(&kv, shape));
+    let mut full = vec![0.0f32; q.len()];
+    sdpa(
+        &qt,
+        &kt,
+        &kt,
+        &mut TensorMut::blhd(&mut full, shape),
+        &SdpaOptions::new(),
+    )
+    .unwrap();
+    for (a, e) in [(0, 37), (5, 21), (36, 37), (10, 10)] {
+        let mut out = vec![f32::NAN; q.len()];
+        let mut ot = TensorMut::blhd(&mut out, shape);
+        sdpa(
+            &qt.rows(a..e).unwrap(),
+            &kt,
+            &kt,
+            &mut ot.rows(a..e).unwrap(),
+            &SdpaOptions::new(),
+        )
+        .unwrap();
+        // (B, L, H, D) memory: row i of every (batch, head) at ((b·L + i)·H + h)·D.
+        for (idx, (&got, &want)) in out.iter().zip(&full).enumerate() {
+            let i = idx / (h * d) % l;
+            if (a..e).contains(&i) {
+                assert!(
+                    (got - want).abs() <= 1e-6,
+                    "{a}..{e}: row {i}: {got} vs {want}"
+                );
+            } else {
+                assert!(got.is_nan(), "{a}..{e}: row {i} written");
+            }
+        }
+    }
+}
