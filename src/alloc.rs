@@ -7,6 +7,7 @@
 //! advice needs: see `pages.rs`).
 
 use crate::error::{AttnError, Result};
+use attnkit_kernels::Elem;
 use std::alloc::{alloc_zeroed, Layout};
 use std::ptr::NonNull;
 
@@ -22,18 +23,33 @@ unsafe impl Zeroable for usize {}
 
 /// `n` zeros, or [`AttnError::Overflow`] / [`AttnError::Alloc`] naming `arg`.
 pub(crate) fn try_zeros<T: Zeroable>(arg: &'static str, n: usize) -> Result<Vec<T>> {
+    // SAFETY: all-zero bytes are a valid `T` (`Zeroable`).
+    unsafe { zeroed_vec(arg, n) }
+}
+
+/// [`try_zeros`] of an operand element type (all-zero bits are +0.0 in each; see [`Elem`]).
+pub(crate) fn try_zeros_elem<E: Elem>(arg: &'static str, n: usize) -> Result<Vec<E>> {
+    // SAFETY: `Elem` types are f32, bf16 and f16, for which all-zero bits are +0.0.
+    unsafe { zeroed_vec(arg, n) }
+}
+
+/// `n` zero-filled `T`s.
+///
+/// # Safety
+/// All-zero bytes must be a valid value of `T`, and `T` not zero-sized.
+unsafe fn zeroed_vec<T>(arg: &'static str, n: usize) -> Result<Vec<T>> {
     let layout = Layout::array::<T>(n).map_err(|_| AttnError::Overflow { arg })?;
     if n == 0 {
         return Ok(Vec::new());
     }
-    // SAFETY: the layout has a non-zero size (both element types are non-zero-sized).
+    // SAFETY: the layout has a non-zero size (`n > 0`, `T` not zero-sized).
     let ptr = unsafe { alloc_zeroed(layout) };
     let ptr = NonNull::new(ptr.cast::<T>()).ok_or(AttnError::Alloc {
         arg,
         bytes: layout.size(),
     })?;
     // SAFETY: allocated by the global allocator with the layout of `[T; n]`, zero-filled, and
-    // zero bytes are valid `T`s (`Zeroable`); the Vec takes ownership.
+    // zero bytes are valid `T`s (this function's contract); the Vec takes ownership.
     Ok(unsafe { Vec::from_raw_parts(ptr.as_ptr(), n, n) })
 }
 

@@ -1,6 +1,6 @@
 //! A key/value cache for incremental decoding, laid out for the decode kernel: keys
 //! `(B, Hkv, capacity, D)` and values `(B, Hkv, capacity, Dv)`, so each (batch, KV head) streams
-//! its rows contiguously.
+//! its rows contiguously, stored as f32, bf16 or f16 (half the bytes per token to stream).
 
 use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
@@ -8,13 +8,20 @@ use crate::options::{Causal, SdpaOptions};
 use crate::pages::AlignedBuf;
 use crate::sdpa::sdpa;
 use crate::view::{check_len, Tensor, TensorMut};
+use attnkit_kernels::{Dtype, Elem, Operand};
 
 /// One layer's cache. Capacity is fixed at construction: appending past it is an error, never a
 /// silent overwrite or a reallocation behind the caller's back. The buffers are allocated zeroed,
 /// on a cache line, and advised for transparent huge pages ([`crate::AlignedBuf`]) before first
 /// use (a clone copies into ordinary pages).
+///
+/// The element type `E` is the storage: `KvCache` (f32, [`KvCache::new`]) or
+/// `KvCache::<bf16>::new_of(…)` / `f16`. [`append`](KvCache::append) takes keys and values of
+/// any element type and rounds them to `E` (round to nearest even); the decode kernel widens
+/// them back to f32 as it streams them and computes in f32, so a 16-bit cache's attention
+/// equals the f32 attention of the stored (rounded) values.
 #[derive(Clone, Debug)]
-pub struct KvCache {
+pub struct KvCache<E: Operand = f32> {
     b: usize,
     hkv: usize,
     cap: usize,
@@ -23,8 +30,8 @@ pub struct KvCache {
     /// Element strides of B, H and L in `k` and `v`.
     ks: [usize; 3],
     vs: [usize; 3],
-    k: AlignedBuf,
-    v: AlignedBuf,
+    k: AlignedBuf<E>,
+    v: AlignedBuf<E>,
     lens: Vec<usize>,
 }
 
@@ -38,13 +45,23 @@ fn rename(e: AttnError, arg: &'static str) -> AttnError {
 }
 
 impl KvCache {
-    /// An empty cache for `b` sequences, `hkv` KV heads, up to `capacity` tokens, head dims `d`
-    /// (keys) and `dv` (values).
+    /// An empty f32 cache for `b` sequences, `hkv` KV heads, up to `capacity` tokens, head dims
+    /// `d` (keys) and `dv` (values).
     ///
     /// # Errors
     /// [`AttnError::Overflow`] if the buffers' sizes overflow, [`AttnError::Alloc`] if the
     /// allocator refuses them (nothing is allocated before the sizes are checked).
     pub fn new(b: usize, hkv: usize, capacity: usize, d: usize, dv: usize) -> Result<Self> {
+        Self::new_of(b, hkv, capacity, d, dv)
+    }
+}
+
+impl<E: Operand> KvCache<E> {
+    /// [`KvCache::new`] storing `E`: `KvCache::<bf16>::new_of(b, hkv, capacity, d, dv)`.
+    ///
+    /// # Errors
+    /// As [`KvCache::new`].
+    pub fn new_of(b: usize, hkv: usize, capacity: usize, d: usize, dv: usize) -> Result<Self> {
         let arg = "capacity";
         // Every product of the caller's sizes that is ever formed (lengths, strides, the row
         // count of the append loop) is checked, including those a zero dimension would hide.
@@ -59,8 +76,8 @@ impl KvCache {
         let lens = try_zeros::<usize>("B", b)?;
         // Decode streams the whole cache per token: ask for huge pages, and start on a cache
         // line (see `pages.rs`).
-        let k = AlignedBuf::try_zeroed(klen, true).map_err(|e| rename(e, arg))?;
-        let v = AlignedBuf::try_zeroed(vlen, true).map_err(|e| rename(e, arg))?;
+        let k = AlignedBuf::try_zeroed_of(klen, true).map_err(|e| rename(e, arg))?;
+        let v = AlignedBuf::try_zeroed_of(vlen, true).map_err(|e| rename(e, arg))?;
         Ok(KvCache {
             b,
             hkv,
@@ -85,13 +102,20 @@ impl KvCache {
         self.cap
     }
 
+    /// The storage type.
+    pub fn dtype(&self) -> Dtype {
+        E::DTYPE
+    }
+
     /// Appends `T` new tokens to every sequence: `k (B, Hkv, T, D)`, `v (B, Hkv, T, Dv)` in any
-    /// layout. Nothing is written unless every sequence has room.
+    /// layout and element type, rounded to the cache's (exact when they are the same). Nothing
+    /// is written unless every sequence has room. Token `t` of a longer projection `x`:
+    /// `x.rows(t..t + 1)?` ([`Tensor::rows`]).
     ///
     /// # Errors
     /// A shape mismatch naming `k`/`v` and the dimension; [`AttnError::Capacity`] if a sequence
     /// would exceed the capacity.
-    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+    pub fn append<A: Elem>(&mut self, k: &Tensor<A>, v: &Tensor<A>) -> Result<()> {
         let t = k.shape[2];
         for (arg, x, d) in [("k", k, self.d), ("v", v, self.dv)] {
             let want = [self.b, self.hkv, t, d];
@@ -134,7 +158,7 @@ impl KvCache {
                     for i in 0..t {
                         let o = b * ds[0] + h * ds[1] + (self.lens[b] + i) * ds[2];
                         let so = b * src.strides[0] + h * src.strides[1] + i * src.strides[2];
-                        dst[o..o + w].copy_from_slice(&src.data[so..so + w]);
+                        store(&mut dst[o..o + w], &src.data[so..so + w]);
                     }
                 }
             }
@@ -178,13 +202,13 @@ impl KvCache {
     }
 
     /// The cached keys as a `(B, Hkv, L, D)` view, `L` the longest sequence.
-    pub fn keys(&self) -> Tensor<'_> {
+    pub fn keys(&self) -> Tensor<'_, E> {
         let l = self.max_len();
         Tensor::strided(&self.k, [self.b, self.hkv, l, self.d], self.ks)
     }
 
     /// The cached values as a `(B, Hkv, L, Dv)` view, `L` the longest sequence.
-    pub fn values(&self) -> Tensor<'_> {
+    pub fn values(&self) -> Tensor<'_, E> {
         let l = self.max_len();
         Tensor::strided(&self.v, [self.b, self.hkv, l, self.dv], self.vs)
     }
@@ -196,7 +220,8 @@ impl KvCache {
     /// Attention of `q (B, Hq, Lq, D)` — the newest `Lq` tokens, already appended — over the
     /// cache: bottom-right causal per sequence (query `i` of sequence `b` sees keys
     /// `j ≤ lens[b] − Lq + i`), key padding from the lengths, plus whatever else `opts` sets
-    /// (window, mask, ISA, path). Writes `out (B, Hq, Lq, Dv)`.
+    /// (window, mask, ISA, path). Writes `out (B, Hq, Lq, Dv)`, in f32 or the 16-bit types.
+    /// The queries are of the cache's type.
     ///
     /// # Errors
     /// As [`crate::sdpa`].
@@ -212,12 +237,24 @@ impl KvCache {
     /// assert_eq!(out, kv);
     /// # Ok::<(), attnkit::AttnError>(())
     /// ```
-    pub fn attend(&self, q: &Tensor, out: &mut TensorMut, opts: &SdpaOptions) -> Result<()> {
+    pub fn attend<O: Elem>(
+        &self,
+        q: &Tensor<E>,
+        out: &mut TensorMut<O>,
+        opts: &SdpaOptions,
+    ) -> Result<()> {
         let opts = SdpaOptions {
             causal: Some(Causal::BottomRight),
             key_lengths: Some(&self.lens),
             ..*opts
         };
         sdpa(q, &self.keys(), &self.values(), out, &opts)
+    }
+}
+
+/// `src` rounded to `E` into `dst` (a copy when the types agree).
+fn store<A: Elem, E: Elem>(dst: &mut [E], src: &[A]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = E::from_f32(s.to_f32());
     }
 }

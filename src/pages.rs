@@ -10,8 +10,9 @@
 //! huge pages only where `madvise(MADV_HUGEPAGE)` asked for them when THP is in `madvise` mode
 //! (the common default), so the library asks for its own buffers and offers the call to callers.
 
-use crate::alloc::try_zeros;
+use crate::alloc::try_zeros_elem;
 use crate::error::{AttnError, Result};
+use attnkit_kernels::Elem;
 
 /// Asks the kernel to back `buf` with transparent huge pages (Linux; elsewhere a no-op).
 ///
@@ -27,7 +28,7 @@ use crate::error::{AttnError, Result};
 /// let advised = attnkit::advise_huge_pages(&mut keys);
 /// # let _ = advised;
 /// ```
-pub fn advise_huge_pages(buf: &mut [f32]) -> bool {
+pub fn advise_huge_pages<E: Elem>(buf: &mut [E]) -> bool {
     // Miri cannot call `madvise`; the advice never changes what the program computes.
     #[cfg(all(target_os = "linux", not(miri)))]
     {
@@ -51,14 +52,14 @@ pub fn advise_huge_pages(buf: &mut [f32]) -> bool {
     }
 }
 
-/// A zero-filled `f32` buffer whose first element sits on a 64-byte boundary (a cache line),
-/// optionally advised for huge pages. It dereferences to `[f32]`.
+/// A zero-filled buffer of `E` (`f32`, `bf16`, `f16`) whose first element sits on a 64-byte
+/// boundary (a cache line), optionally advised for huge pages. It dereferences to `[E]`.
 ///
 /// The kernels load whole cache lines of K and V rows; a row that starts off a line makes every
 /// vector load touch two lines, which Intel cores pay for. Measured on the Xeon with K and V in
 /// L2, two rounds: a four-row decode group took 31 ns per key on aligned rows and 37–43 ns on
 /// rows 16 bytes off a line (what `malloc` returns for large blocks). Rows stay on line
-/// boundaries when the buffer does and the row stride is a multiple of 16 floats.
+/// boundaries when the buffer does and the row stride is a multiple of 64 bytes.
 /// [`crate::KvCache`] keeps its keys and values in these.
 ///
 /// ```
@@ -67,24 +68,22 @@ pub fn advise_huge_pages(buf: &mut [f32]) -> bool {
 /// k[0] = 1.0;
 /// assert_eq!(k.iter().sum::<f32>(), 1.0);
 /// ```
-pub struct AlignedBuf {
-    buf: Vec<f32>,
+pub struct AlignedBuf<E = f32> {
+    buf: Vec<E>,
     off: usize,
     len: usize,
 }
 
 impl AlignedBuf {
-    /// `len` zeros on a 64-byte boundary; `huge_pages`: ask for transparent huge pages first
-    /// ([`advise_huge_pages`]), before the memory is touched.
+    /// `len` f32 zeros on a 64-byte boundary; `huge_pages`: ask for transparent huge pages first
+    /// ([`advise_huge_pages`]), before the memory is touched. ([`AlignedBuf::zeroed_of`] for
+    /// the other element types.)
     ///
     /// # Panics
     /// If the allocation fails or its size overflows (as `vec!` would); [`AlignedBuf::try_zeroed`]
     /// returns an error instead.
     pub fn zeroed(len: usize, huge_pages: bool) -> Self {
-        match Self::try_zeroed(len, huge_pages) {
-            Ok(b) => b,
-            Err(e) => panic!("AlignedBuf::zeroed({len}): {e}"),
-        }
+        Self::zeroed_of(len, huge_pages)
     }
 
     /// [`AlignedBuf::zeroed`] that reports a size the allocator refuses.
@@ -92,41 +91,62 @@ impl AlignedBuf {
     /// # Errors
     /// [`AttnError::Overflow`] or [`AttnError::Alloc`] (argument `"AlignedBuf"`).
     pub fn try_zeroed(len: usize, huge_pages: bool) -> Result<Self> {
-        const SLACK: usize = 64 / core::mem::size_of::<f32>() - 1;
+        Self::try_zeroed_of(len, huge_pages)
+    }
+}
+
+impl<E: Elem> AlignedBuf<E> {
+    /// [`AlignedBuf::zeroed`] of any element type: `AlignedBuf::<bf16>::zeroed_of(n, true)`.
+    ///
+    /// # Panics
+    /// As [`AlignedBuf::zeroed`].
+    pub fn zeroed_of(len: usize, huge_pages: bool) -> Self {
+        match Self::try_zeroed_of(len, huge_pages) {
+            Ok(b) => b,
+            Err(e) => panic!("AlignedBuf::zeroed({len}): {e}"),
+        }
+    }
+
+    /// [`AlignedBuf::try_zeroed`] of any element type.
+    ///
+    /// # Errors
+    /// As [`AlignedBuf::try_zeroed`].
+    pub fn try_zeroed_of(len: usize, huge_pages: bool) -> Result<Self> {
+        let slack = 64 / core::mem::size_of::<E>() - 1;
         let arg = "AlignedBuf";
-        let total = len.checked_add(SLACK).ok_or(AttnError::Overflow { arg })?;
-        let mut buf = try_zeros::<f32>(arg, total)?;
+        let total = len.checked_add(slack).ok_or(AttnError::Overflow { arg })?;
+        let mut buf = try_zeros_elem::<E>(arg, total)?;
         if huge_pages {
             advise_huge_pages(&mut buf);
         }
-        let off = buf.as_ptr().align_offset(64).min(SLACK);
+        let off = buf.as_ptr().align_offset(64).min(slack);
         Ok(AlignedBuf { buf, off, len })
     }
 }
 
-impl core::ops::Deref for AlignedBuf {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
+impl<E> core::ops::Deref for AlignedBuf<E> {
+    type Target = [E];
+    fn deref(&self) -> &[E] {
         &self.buf[self.off..self.off + self.len]
     }
 }
 
-impl core::ops::DerefMut for AlignedBuf {
-    fn deref_mut(&mut self) -> &mut [f32] {
+impl<E> core::ops::DerefMut for AlignedBuf<E> {
+    fn deref_mut(&mut self) -> &mut [E] {
         &mut self.buf[self.off..self.off + self.len]
     }
 }
 
-impl Clone for AlignedBuf {
+impl<E: Elem> Clone for AlignedBuf<E> {
     /// A copy on a cache line of its own (ordinary pages).
     fn clone(&self) -> Self {
-        let mut c = AlignedBuf::zeroed(self.len, false);
+        let mut c = AlignedBuf::zeroed_of(self.len, false);
         c.copy_from_slice(self);
         c
     }
 }
 
-impl core::fmt::Debug for AlignedBuf {
+impl<E> core::fmt::Debug for AlignedBuf<E> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("AlignedBuf")
             .field("len", &self.len)

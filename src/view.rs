@@ -88,6 +88,15 @@ impl<'a, E: Elem> Tensor<'a, E> {
     pub fn shape(&self) -> [usize; 4] {
         self.shape
     }
+    /// Element strides of B, H and L (D is contiguous): element `(b, h, l, i)` is
+    /// `data()[b·s[0] + h·s[1] + l·s[2] + i]`.
+    pub fn strides(&self) -> [usize; 3] {
+        self.strides
+    }
+    /// The buffer the view reads.
+    pub fn data(&self) -> &'a [E] {
+        self.data
+    }
     /// Rows `rows` of the L axis, for every batch and head: the same strides and memory, `L` =
     /// `rows.len()`. Token `t` of a projection for [`KvCache::append`](crate::KvCache::append):
     /// `x.rows(t..t + 1)?`.

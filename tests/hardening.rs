@@ -329,7 +329,7 @@ fn kv_cache_sizes_that_cannot_be_allocated() {
 fn kv_cache_with_no_sequences() {
     let cache = KvCache::new(0, 4, 8, 16, 16).unwrap();
     assert_eq!(cache.keys().shape(), [0, 4, 0, 16]);
-    let mut out = [];
+    let mut out: [f32; 0] = [];
     cache
         .attend(
             &Tensor::bhld(&[0.0f32; 0], [0, 4, 1, 16]),

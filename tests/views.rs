@@ -1,5 +1,5 @@
-//! Narrowing views to rows (`Tensor::rows`, `TensorMut::rows`): the same memory and strides,
-//! a range outside L refused by name.
+//! Views: narrowing to rows (`Tensor::rows`, `TensorMut::rows`: the same memory and strides, a
+//! range outside L refused by name), and K/V broadcast over the batch with stride 0.
 
 use attnkit::{sdpa, AttnError, KvCache, SdpaOptions, Tensor, TensorMut};
 
@@ -109,4 +109,60 @@ fn sdpa_on_row_ranges() {
             }
         }
     }
+}
+
+/// K and V shared by every batch element (B stride 0: one encoder output, or one shared
+/// prefix, attended by a batch of queries) give what their copy per batch element gives,
+/// bitwise, on both kernels and the unfused path.
+#[test]
+fn kv_broadcast_over_the_batch() {
+    use attnkit::{unfused, Kernel};
+    let (b, hq, hkv, lq, lk, d) = (3, 4, 2, 9, 21, 8);
+    let q = values(b * hq * lq * d, 6);
+    let (k1, v1) = (values(hkv * lk * d, 7), values(hkv * lk * d, 8));
+    let (kb, vb) = (k1.repeat(b), v1.repeat(b));
+    let qt = Tensor::bhld(&q, [b, hq, lq, d]);
+    let shape = [b, hkv, lk, d];
+    fn shared(x: &[f32], s: [usize; 4]) -> Tensor<'_> {
+        Tensor::strided(x, s, [0, s[2] * s[3], s[3]])
+    }
+    for kernel in [Kernel::Prefill, Kernel::Decode] {
+        for rows in [1..2, 0..lq] {
+            let run = |k: Tensor, v: Tensor| {
+                let q = qt.rows(rows.clone()).unwrap();
+                let n = rows.len();
+                let mut out = vec![0.0f32; b * hq * n * d];
+                sdpa(
+                    &q,
+                    &k,
+                    &v,
+                    &mut TensorMut::bhld(&mut out, [b, hq, n, d]),
+                    &SdpaOptions::new().kernel(kernel),
+                )
+                .unwrap();
+                out
+            };
+            assert_eq!(
+                run(shared(&k1, shape), shared(&v1, shape)),
+                run(Tensor::bhld(&kb, shape), Tensor::bhld(&vb, shape)),
+                "{kernel:?}, rows {rows:?}"
+            );
+        }
+    }
+    let run = |k: Tensor, v: Tensor| {
+        let mut out = vec![0.0f32; b * hq * lq * d];
+        unfused::sdpa_unfused(
+            &qt,
+            &k,
+            &v,
+            &mut TensorMut::bhld(&mut out, [b, hq, lq, d]),
+            &SdpaOptions::new(),
+        )
+        .unwrap();
+        out
+    };
+    assert_eq!(
+        run(shared(&k1, shape), shared(&v1, shape)),
+        run(Tensor::bhld(&kb, shape), Tensor::bhld(&vb, shape))
+    );
 }

@@ -39,7 +39,9 @@ mod sealed {
 }
 
 /// An operand element type (`f32`, [`half::bf16`], [`half::f16`]). Sealed: every type has its
-/// loads in each ISA, so only this crate adds one.
+/// loads in each ISA, so only this crate adds one. In each, all-zero bits are +0.0, so zeroed
+/// memory is a buffer of zeros of any of them (callers allocating zeroed buffers rely on it; a
+/// type added here must keep it).
 pub trait Elem: Copy + Send + Sync + core::fmt::Debug + 'static + sealed::Sealed {
     /// Which type this is; kernels branch on it at compile time (each instance sees a constant).
     const DTYPE: Dtype;

@@ -580,6 +580,19 @@ fn output(
             println!("{}", r.json());
         }
     }
+    // A share over 100 % means the peak under-read (a noisy probe), not a kernel past the
+    // hardware: say so rather than print it silently.
+    for r in records {
+        if let Some(p) = r.pct_peak.filter(|&p| p > 100.0) {
+            let c = &r.case;
+            eprintln!(
+                "attnbench: warning: {} at (B, H, Lq, Lk, D) = ({}, {}, {}, {}, {}) on {} thread(s) \
+                 reads {p:.0} % of the peak: the probe under-read it (a busy host?); \
+                 give the peak with --peak GFLOPS",
+                r.imp, c.b, c.h, c.lq, c.lk, c.d, r.threads
+            );
+        }
+    }
     if cfg.markdown {
         print!("{}", report::markdown(records));
     } else if !cfg.json {
@@ -592,9 +605,10 @@ fn output(
                 "given".to_string()
             } else {
                 format!(
-                    "probe: {}, {} independent chains per thread, best of 8",
+                    "probe: {}, {} independent chains per thread, best of {}",
                     peak::describe(cfg.isa),
-                    12
+                    peak::CHAINS,
+                    peak::TRIALS
                 )
             };
             println!("FMA peak ({how}): {}", p.join(", "));

@@ -1,6 +1,7 @@
 //! The FMA peak that `pct_peak` is relative to: a short probe of f32 fused multiply-adds in
 //! independent register chains on the widest vectors the CPU has (AVX-512, else AVX2+FMA), run on
-//! `threads` threads at once. Best of several short trials (≈ 0.1 s in all).
+//! `threads` threads at once. Best of [`TRIALS`] short trials (≈ 0.15 s in all): on a noisy host a
+//! trial can only under-read the peak, so more trials read closer to it.
 
 use attnkit::Isa;
 use std::hint::black_box;
@@ -8,7 +9,9 @@ use std::sync::Barrier;
 use std::time::Instant;
 
 /// Independent accumulator chains: enough to cover FMA latency × ports (4 × 2 on recent x86).
-const CHAINS: usize = 12;
+pub const CHAINS: usize = 12;
+/// Trials of the probe; it reports the best.
+pub const TRIALS: usize = 16;
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
@@ -90,7 +93,7 @@ pub fn probe(threads: usize, isa: Isa) -> Option<f64> {
     // ≈ 8 ms per trial at 200 GFLOP/s per thread.
     let iters: u64 = 4_000_000;
     let mut best = 0.0f64;
-    for _ in 0..8 {
+    for _ in 0..TRIALS {
         // Each worker times itself from the common start: the spawning thread is an extra
         // runnable thread on a machine with `threads` cores, and a clock it read late (after
         // being descheduled) made the 2-thread probe on 2 cores read more than twice 1 thread.
