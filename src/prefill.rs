@@ -101,8 +101,14 @@ fn task<E: Elem, O: Elem>(
     let row0 = qb * q_block(p);
     let m = q_block(p).min(s.lq - row0);
     let out = off(p.os, b, h, row0);
-    let (scratch, staged) = scratch.split_at_mut(scratch_len_as::<E, E>(m, s.d, s.dv));
-    // The kernel's destination: `out` itself in f32, else `m` dense rows of `staged`.
+    // The kernel's destination: `out` itself in f32, else `m` dense rows staged at the end of
+    // the scratch (past the kernel's share: see `task_scratch_len`).
+    let (scratch, staged) = if O::DTYPE == Dtype::F32 {
+        (scratch, &mut [][..])
+    } else {
+        let n = scratch.len() - m * s.dv;
+        scratch.split_at_mut(n)
+    };
     let (o, ldo) = if O::DTYPE == Dtype::F32 {
         // SAFETY: offset inside the validated view; `O` is f32 here.
         (unsafe { p.o.add(out) }.cast::<f32>(), p.os[2])

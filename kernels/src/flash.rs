@@ -295,8 +295,10 @@ unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
     let w = S::W;
     let nb_max = key_block(d);
     let mp = round_up(m, w);
-    let lay = Layout::new(m, d, dv, ops);
-    debug_assert!(scratch.len() >= lay.total(), "flash scratch too short");
+    debug_assert!(
+        scratch.len() >= Layout::new(m, d, dv, ops).total(),
+        "flash scratch too short"
+    );
     // Every sub-buffer is a lane multiple long, so each starts on a vector boundary too.
     let (qt, rest) = aligned(scratch).split_at_mut(d * mp);
     let (st, rest) = rest.split_at_mut(nb_max * mp);
@@ -308,12 +310,13 @@ unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
     // 16-bit K and V are widened a key block at a time (`kw`, `vw`, dense), so the tiles, which
     // broadcast K and V element by element, always read f32: broadcasting 16-bit elements in
     // place cost a scalar conversion per element (bf16 prefill ran at 0.65× f32, f16 at 0.3×).
-    // (Empty for f32 operands.)
-    let (kw, rest) = rest.split_at_mut(lay.kw);
-    let (vw, rest) = rest.split_at_mut(lay.vw);
+    // (Empty for f32 operands. Plain products: the scratch holds them, so they do not overflow.)
+    let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
+    let (kw, rest) = rest.split_at_mut(wide(ops.kv, nb_max * d));
+    let (vw, rest) = rest.split_at_mut(wide(ops.kv, nb_max * dv));
     // And 16-bit Q once per call, for the shuffle transpose (element by element, it cost f16
     // inputs 10-15 % of small calls).
-    let qw = &mut rest[..lay.qw];
+    let qw = &mut rest[..wide(ops.q, m * d)];
 
     // Both ends of the visible range grow with r: the last row bounds the key loop above, the
     // first below.
