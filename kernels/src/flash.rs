@@ -97,17 +97,18 @@ pub fn scratch_len_as<Q: Elem, KV: Elem>(m: usize, d: usize, dv: usize) -> usize
     Layout::new(m, d, dv, Operands::of::<Q, KV>()).total()
 }
 
-/// Lengths of the kernel's scratch buffers (see [`forward_with`]), each a lane multiple.
+/// Lengths of the kernel's scratch buffers (see [`forward_with`]), each a lane multiple: the
+/// state every path shares, then the larger of the two paths' own buffers (one at a time uses
+/// them).
 struct Layout {
-    /// Q̂ᵀ, Sᵀ, Oᵀ; one row of `m` values (four of them).
-    qt: usize,
+    /// Sᵀ, Oᵀ; one row of `m` values (four of them).
     st: usize,
     ot: usize,
     row: usize,
-    /// Widened K and V key blocks, widened Q: zero for f32 operands, which are read in place.
-    kw: usize,
-    vw: usize,
-    qw: usize,
+    /// The widening path's buffers ([`Widened`]).
+    widened: usize,
+    /// The bf16 pair path's buffers (`x86_64::bf16`; zero unless Q, K and V are bf16).
+    pairs: usize,
 }
 
 impl Layout {
@@ -115,30 +116,60 @@ impl Layout {
         let mp = round_up(m, 16);
         let kb = key_block(d);
         let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
+        let widened = [
+            d.saturating_mul(mp),
+            wide(ops.kv, d.saturating_mul(kb)),
+            wide(ops.kv, dv.saturating_mul(kb)),
+            wide(ops.q, m.saturating_mul(d)),
+        ];
+        let pairs = if ops.q == Dtype::Bf16 && ops.kv == Dtype::Bf16 {
+            PairLens::new(mp, d, dv).total()
+        } else {
+            0
+        };
         Layout {
-            qt: d.saturating_mul(mp),
             st: kb * mp,
             ot: dv.saturating_mul(mp),
             row: mp,
-            kw: wide(ops.kv, d.saturating_mul(kb)),
-            vw: wide(ops.kv, dv.saturating_mul(kb)),
-            qw: wide(ops.q, m.saturating_mul(d)),
+            widened: widened.into_iter().fold(0, usize::saturating_add),
+            pairs,
         }
     }
 
     fn total(&self) -> usize {
         [
-            self.qt,
             self.st,
             self.ot,
             4 * self.row,
-            self.kw,
-            self.vw,
-            self.qw,
+            self.widened.max(self.pairs),
             ALIGN_SLACK,
         ]
         .into_iter()
         .fold(0, usize::saturating_add)
+    }
+}
+
+/// Buffer lengths of the bf16 pair path, in 32-bit units (one unit = one pair of bf16): Q̂ᵀ
+/// (`⌈d/2⌉ × mp`), Pᵀ (`⌈nb/2⌉ × mp`) and V (`⌈nb/2⌉ × dv`) in pairs along their reduction.
+#[derive(Clone, Copy)]
+pub(crate) struct PairLens {
+    pub(crate) qp: usize,
+    pub(crate) pp: usize,
+    pub(crate) vp: usize,
+}
+
+impl PairLens {
+    pub(crate) fn new(mp: usize, d: usize, dv: usize) -> Self {
+        let kb2 = key_block(d).div_ceil(2);
+        PairLens {
+            qp: d.div_ceil(2).saturating_mul(mp),
+            pp: kb2 * mp,
+            vp: round_up(dv, 16).saturating_mul(kb2),
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.qp.saturating_add(self.pp).saturating_add(self.vp)
     }
 }
 
@@ -241,8 +272,8 @@ pub(crate) fn erase<Q: Elem, KV: Elem>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Oper
 /// The element types behind an [`erase`]d argument set's `q` and its `k`, `v`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Operands {
-    q: Dtype,
-    kv: Dtype,
+    pub(crate) q: Dtype,
+    pub(crate) kv: Dtype,
 }
 
 impl Operands {
@@ -254,69 +285,330 @@ impl Operands {
     }
 }
 
-/// The fused kernel, generic over the vector type.
+/// How the kernel forms its two products, `Sᵀ = K·Q̂ᵀ` and `Oᵀ (+)= Vᵀ·Pᵀ` (or the direct
+/// `O = P·V`): everything else (masks, the online softmax, the output) is shared. [`Widened`] is
+/// the f32 form every ISA has; `x86_64::bf16` multiplies bf16 pairs.
+pub(crate) trait Products<S: Tiles + SimdDiv> {
+    /// Prepares the query block; `qscale` is the factor of the scores (base-2 units, divided by
+    /// the softcap if there is one).
+    ///
+    /// # Safety
+    /// As [`forward`]; the scratch this value holds has the block's extents.
+    unsafe fn queries(&mut self, a: &FlashArgs, qscale: f32, mp: usize);
+    /// `s[j·mp + lane] = epi(score)` for keys `j0 + j`, `j < nb`, and the `nv` lane vectors from
+    /// `lanes`; makes V of these keys the current block of [`Products::values`].
+    ///
+    /// # Safety
+    /// As [`Products::queries`], after it; `j0 + nb ≤ n`, `nb ≤ key_block(d)`.
+    unsafe fn scores<F: Epilogue>(
+        &mut self,
+        a: &FlashArgs,
+        j0: usize,
+        nb: usize,
+        lanes: usize,
+        nv: usize,
+        s: &mut [f32],
+        mp: usize,
+        epi: F,
+    );
+    /// `Oᵀ (+)= Vᵀ·Pᵀ` on the same lanes, P the `nb` rows of `s`, V the current block.
+    ///
+    /// # Safety
+    /// As [`Products::scores`], after it, with the same `nb`, `lanes`, `nv`.
+    unsafe fn values(
+        &mut self,
+        a: &FlashArgs,
+        nb: usize,
+        lanes: usize,
+        nv: usize,
+        s: &mut [f32],
+        ot: &mut [f32],
+        mp: usize,
+        acc: Accum,
+    );
+    /// `O = diag(k)·P·V` straight into the output rows (`Dv` a lane multiple), P the `nb` rows
+    /// of `s` and `k` the per-row normalisers (`mp` long).
+    ///
+    /// # Safety
+    /// As [`Products::values`].
+    unsafe fn direct(&mut self, a: &FlashArgs, nb: usize, s: &mut [f32], mp: usize, k: &[f32]);
+}
+
+/// The f32 products: Q̂ᵀ packed in f32, K and V read in place (f32) or widened a key block at a
+/// time into dense f32 rows, so the tiles, which broadcast K and V element by element, always
+/// read f32: broadcasting 16-bit elements in place cost a scalar conversion per element (bf16
+/// prefill ran at 0.65× f32, f16 at 0.3×).
+pub(crate) struct Widened<'s> {
+    ops: Operands,
+    /// Q̂ᵀ, `d × mp`.
+    qt: &'s mut [f32],
+    /// The widened K and V blocks, and Q (empty for f32 operands).
+    kw: &'s mut [f32],
+    vw: &'s mut [f32],
+    qw: &'s mut [f32],
+    /// The current block of V and its row stride.
+    vb: *const f32,
+    ldv: usize,
+}
+
+impl<'s> Widened<'s> {
+    /// The buffers from `rest`, the scratch past the shared state.
+    fn new(a: &FlashArgs, ops: Operands, mp: usize, rest: &'s mut [f32]) -> Self {
+        let (d, dv, nb_max) = (a.d, a.dv, key_block(a.d));
+        let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
+        // Plain products: the scratch holds them, so they do not overflow.
+        let (qt, rest) = rest.split_at_mut(d * mp);
+        let (kw, rest) = rest.split_at_mut(wide(ops.kv, nb_max * d));
+        let (vw, rest) = rest.split_at_mut(wide(ops.kv, nb_max * dv));
+        // 16-bit Q is widened once per call, for the shuffle transpose (element by element, it
+        // cost f16 inputs 10-15 % of small calls).
+        let qw = &mut rest[..wide(ops.q, a.m * d)];
+        Widened {
+            ops,
+            qt,
+            kw,
+            vw,
+            qw,
+            vb: a.v,
+            ldv: a.ldv,
+        }
+    }
+}
+
+impl<S: Tiles + SimdDiv> Products<S> for Widened<'_> {
+    #[inline(always)]
+    unsafe fn queries(&mut self, a: &FlashArgs, qscale: f32, mp: usize) {
+        let (m, d) = (a.m, a.d);
+        // SAFETY: Q's extents per `forward`'s contract; the buffers were split for them.
+        unsafe {
+            // Q̂ᵀ (d × mp), pre-scaled. Padding lanes must be zero. The transpose writes zeros up
+            // to the next multiple of 8; with 16 lanes, rows may have 8 more (cheaper than a
+            // memset of all of Q̂ᵀ per call).
+            let m8 = round_up(m, 8);
+            if m8 < mp {
+                for row in self.qt.chunks_exact_mut(mp) {
+                    row[m8..].fill(0.0);
+                }
+            }
+            let (q, ldq) = match self.ops.q {
+                Dtype::F32 => (a.q, a.ldq),
+                dt => {
+                    widen_any::<S>(dt, a.q.cast(), a.ldq, m, d, self.qw.as_mut_ptr());
+                    (self.qw.as_ptr(), d)
+                }
+            };
+            transpose_scaled::<S, false, true>(q, ldq, m, d, self.qt.as_mut_ptr(), mp, |_| qscale);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn scores<F: Epilogue>(
+        &mut self,
+        a: &FlashArgs,
+        j0: usize,
+        nb: usize,
+        lanes: usize,
+        nv: usize,
+        s: &mut [f32],
+        mp: usize,
+        epi: F,
+    ) {
+        let d = a.d;
+        // SAFETY: keys `< j0 + nb ≤ n` of K and V; the buffers hold a key block.
+        unsafe {
+            let (kb, ldk) = match self.ops.kv {
+                Dtype::F32 => {
+                    (self.vb, self.ldv) = (a.v.add(j0 * a.ldv), a.ldv);
+                    (a.k.add(j0 * a.ldk), a.ldk)
+                }
+                dt => {
+                    // Element offsets of the real type: step the typed pointers.
+                    let size = dt.size();
+                    let (k, v) = (a.k.cast::<u8>(), a.v.cast::<u8>());
+                    let (kw, vw) = (self.kw.as_mut_ptr(), self.vw.as_mut_ptr());
+                    widen_any::<S>(dt, k.add(j0 * a.ldk * size), a.ldk, nb, d, kw);
+                    widen_any::<S>(dt, v.add(j0 * a.ldv * size), a.ldv, nb, a.dv, vw);
+                    (self.vb, self.ldv) = (vw, a.dv);
+                    (kw.cast_const(), d)
+                }
+            };
+            S::block(
+                nb,
+                nv,
+                d,
+                SCORE_CHAIN,
+                kb,
+                ldk,
+                1,
+                self.qt.as_ptr().add(lanes),
+                mp,
+                s.as_mut_ptr().add(lanes),
+                mp,
+                Accum::Replace,
+                epi,
+            );
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn values(
+        &mut self,
+        a: &FlashArgs,
+        nb: usize,
+        lanes: usize,
+        nv: usize,
+        s: &mut [f32],
+        ot: &mut [f32],
+        mp: usize,
+        acc: Accum,
+    ) {
+        // SAFETY: the current V block has `nb` rows of `dv`; `s` and `ot` cover the lanes.
+        unsafe {
+            S::block(
+                a.dv,
+                nv,
+                nb,
+                usize::MAX,
+                self.vb,
+                1,
+                self.ldv,
+                s.as_ptr().add(lanes),
+                mp,
+                ot.as_mut_ptr().add(lanes),
+                mp,
+                acc,
+                Plain,
+            );
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn direct(&mut self, a: &FlashArgs, nb: usize, s: &mut [f32], mp: usize, k: &[f32]) {
+        // SAFETY: as `values`; O's rows `< m` per `forward`'s contract, `dv` a lane multiple.
+        unsafe {
+            // P normalised first (a pass over `nb × mp`, not over the output).
+            for j in 0..nb {
+                scale_row::<S>(&mut s[j * mp..(j + 1) * mp], k);
+            }
+            S::block(
+                a.m,
+                a.dv / S::W,
+                nb,
+                usize::MAX,
+                s.as_ptr(),
+                1,
+                mp,
+                self.vb,
+                self.ldv,
+                a.o,
+                a.ldo,
+                Accum::Replace,
+                Plain,
+            );
+        }
+    }
+}
+
+/// The fused kernel on the f32 products ([`Widened`]), generic over the vector type.
 ///
 /// # Safety
 /// Every pointer in `args` is valid for the extents it describes, `q` holding `ops.q` elements
 /// and `k`, `v` `ops.kv` ones (an [`erase`]d argument set); `o`, `lse` and `weights` do not
-/// overlap each other or any input; `scratch.len() ≥ scratch_len_as::<Q, KV>(m, d, dv)`; the ISA of `S` is
-/// enabled on this CPU.
+/// overlap each other or any input; `scratch.len() ≥ scratch_len_as::<Q, KV>(m, d, dv)`; the
+/// ISA of `S` is enabled on this CPU.
 #[inline(always)]
 pub(crate) unsafe fn forward<S: Tiles + SimdDiv>(
     a: &FlashArgs,
     ops: Operands,
     scratch: &mut [f32],
 ) {
-    // SAFETY: forwarded contract. One instance per epilogue, so the plain kernel's loop is
-    // exactly what it was without one (a branch per key block cost 0.7 % of its instructions).
-    unsafe {
-        match a.spec.softcap {
-            Some(c) => forward_with::<S, _>(a, ops, scratch, Softcap(ScaledTanh::new(c * LOG2E))),
-            None => forward_with::<S, _>(a, ops, scratch, Plain),
-        }
-    }
+    // SAFETY: forwarded contract.
+    unsafe { forward_on::<S, Widened<'_>>(a, ops, scratch, Widened::new) }
 }
 
-/// [`forward`] with the score tile's epilogue `epi` (the softcap, or nothing).
+/// The fused kernel on the products `P` that `make` builds from the scratch past the shared
+/// state (`make(a, ops, mp, rest)`).
 ///
 /// # Safety
-/// As [`forward`].
+/// As [`forward`], with products that `make` can build for these operands.
 #[inline(always)]
-unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
+pub(crate) unsafe fn forward_on<'s, S: Tiles + SimdDiv, P: Products<S>>(
     a: &FlashArgs,
     ops: Operands,
-    scratch: &mut [f32],
-    epi: F,
+    scratch: &'s mut [f32],
+    make: impl FnOnce(&FlashArgs, Operands, usize, &'s mut [f32]) -> P,
 ) {
     let FlashArgs { m, d, dv, .. } = *a;
     if m == 0 {
         return;
     }
-    let w = S::W;
-    let nb_max = key_block(d);
-    let mp = round_up(m, w);
+    let mp = round_up(m, S::W);
     debug_assert!(
         scratch.len() >= Layout::new(m, d, dv, ops).total(),
         "flash scratch too short"
     );
     // Every sub-buffer is a lane multiple long, so each starts on a vector boundary too.
-    let (qt, rest) = aligned(scratch).split_at_mut(d * mp);
-    let (st, rest) = rest.split_at_mut(nb_max * mp);
+    let (st, rest) = aligned(scratch).split_at_mut(key_block(d) * mp);
     let (ot, rest) = rest.split_at_mut(dv * mp);
     let (mrow, rest) = rest.split_at_mut(mp);
     let (lrow, rest) = rest.split_at_mut(mp);
     let (alpha, rest) = rest.split_at_mut(mp);
     let (tmp, rest) = rest.split_at_mut(mp);
-    // 16-bit K and V are widened a key block at a time (`kw`, `vw`, dense), so the tiles, which
-    // broadcast K and V element by element, always read f32: broadcasting 16-bit elements in
-    // place cost a scalar conversion per element (bf16 prefill ran at 0.65× f32, f16 at 0.3×).
-    // (Empty for f32 operands. Plain products: the scratch holds them, so they do not overflow.)
-    let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
-    let (kw, rest) = rest.split_at_mut(wide(ops.kv, nb_max * d));
-    let (vw, rest) = rest.split_at_mut(wide(ops.kv, nb_max * dv));
-    // And 16-bit Q once per call, for the shuffle transpose (element by element, it cost f16
-    // inputs 10-15 % of small calls).
-    let qw = &mut rest[..wide(ops.q, m * d)];
+    let state = State {
+        st,
+        ot,
+        mrow,
+        lrow,
+        alpha,
+        tmp,
+    };
+    let products = make(a, ops, mp, rest);
+    // SAFETY: forwarded contract. One instance per epilogue, so the plain kernel's loop is
+    // exactly what it was without one (a branch per key block cost 0.7 % of its instructions).
+    unsafe {
+        match a.spec.softcap {
+            Some(c) => {
+                forward_with::<S, _, _>(a, state, products, Softcap(ScaledTanh::new(c * LOG2E)))
+            }
+            None => forward_with::<S, _, _>(a, state, products, Plain),
+        }
+    }
+}
+
+/// The kernel's shared state: Sᵀ (`key_block(d) × mp`), Oᵀ (`dv × mp`), and per query lane the
+/// running max, the running sum, the rescale factors and one row of temporaries.
+struct State<'s> {
+    st: &'s mut [f32],
+    ot: &'s mut [f32],
+    mrow: &'s mut [f32],
+    lrow: &'s mut [f32],
+    alpha: &'s mut [f32],
+    tmp: &'s mut [f32],
+}
+
+/// [`forward_on`] with the score tile's epilogue `epi` (the softcap, or nothing).
+///
+/// # Safety
+/// As [`forward_on`].
+#[inline(always)]
+unsafe fn forward_with<S: Tiles + SimdDiv, P: Products<S>, F: Epilogue>(
+    a: &FlashArgs,
+    state: State<'_>,
+    mut products: P,
+    epi: F,
+) {
+    let FlashArgs { m, d, dv, .. } = *a;
+    let w = S::W;
+    let nb_max = key_block(d);
+    let mp = round_up(m, w);
+    let State {
+        st,
+        ot,
+        mrow,
+        lrow,
+        alpha,
+        tmp,
+    } = state;
 
     // Both ends of the visible range grow with r: the last row bounds the key loop above, the
     // first below.
@@ -334,28 +626,12 @@ unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
     // SAFETY: (whole body) reads and writes stay inside the extents `args` describes and the
     // scratch slices split above; the ISA is enabled per this function's contract.
     unsafe {
-        // Q̂ᵀ (d × mp), pre-scaled into base-2 units (with a softcap, divided by the cap);
-        // padding lanes are zero.
+        // Scores in base-2 units (with a softcap, divided by the cap).
         let qscale = match spec.softcap {
             Some(cap) => a.scale / cap,
             None => a.scale * LOG2E,
         };
-        // Padding lanes must be zero. The transpose writes zeros up to the next multiple of 8;
-        // with 16 lanes, rows may have 8 more (cheaper than a memset of all of Q̂ᵀ per call).
-        let m8 = round_up(m, 8);
-        if m8 < mp {
-            for row in qt.chunks_exact_mut(mp) {
-                row[m8..].fill(0.0);
-            }
-        }
-        let (q, ldq) = match ops.q {
-            Dtype::F32 => (a.q, a.ldq),
-            dt => {
-                widen_any::<S>(dt, a.q.cast(), a.ldq, m, d, qw.as_mut_ptr());
-                (qw.as_ptr(), d)
-            }
-        };
-        transpose_scaled::<S, false, true>(q, ldq, m, d, qt.as_mut_ptr(), mp, |_| qscale);
+        products.queries(a, qscale, mp);
         mrow.fill(f32::NEG_INFINITY);
         lrow.fill(0.0);
 
@@ -392,32 +668,7 @@ unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
             };
             let lanes = u * w;
             let s = &mut st[..nb * mp];
-            let (kb, ldk, vb, ldv) = match ops.kv {
-                Dtype::F32 => (a.k.add(j0 * a.ldk), a.ldk, a.v.add(j0 * a.ldv), a.ldv),
-                dt => {
-                    // Element offsets of the real type: step the typed pointers.
-                    let size = dt.size();
-                    let (k, v) = (a.k.cast::<u8>(), a.v.cast::<u8>());
-                    widen_any::<S>(dt, k.add(j0 * a.ldk * size), a.ldk, nb, d, kw.as_mut_ptr());
-                    widen_any::<S>(dt, v.add(j0 * a.ldv * size), a.ldv, nb, dv, vw.as_mut_ptr());
-                    (kw.as_ptr(), d, vw.as_ptr(), dv)
-                }
-            };
-            S::block(
-                nb,
-                nvec - u,
-                d,
-                SCORE_CHAIN,
-                kb,
-                ldk,
-                1,
-                qt.as_ptr().add(lanes),
-                mp,
-                s.as_mut_ptr().add(lanes),
-                mp,
-                Accum::Replace,
-                epi,
-            );
+            products.scores(a, j0, nb, lanes, nvec - u, s, mp, epi);
             // Lanes < u·W of `s` are stale; the causal fill of `mask_block` sets them to −inf.
             mask_block::<S>(a, &rest_spec, j0, nb, mp, s);
             let rescale = online_softmax::<S>(s, nb, mp, mrow, lrow, alpha);
@@ -427,24 +678,7 @@ unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
                 // transpose was a sixth of the time at (2, 8, 10, 16)). Dv must fill whole
                 // vectors: the tiles store W-wide along it.
                 normalisers::<S>(mrow, lrow, sink2, tmp);
-                for j in 0..nb {
-                    scale_row::<S>(&mut s[j * mp..(j + 1) * mp], tmp);
-                }
-                S::block(
-                    m,
-                    dv / w,
-                    nb,
-                    usize::MAX,
-                    s.as_ptr(),
-                    1,
-                    mp,
-                    vb,
-                    ldv,
-                    a.o,
-                    a.ldo,
-                    Accum::Replace,
-                    Plain,
-                );
+                products.direct(a, nb, s, mp, tmp);
                 direct = true;
                 break;
             }
@@ -455,21 +689,7 @@ unsafe fn forward_with<S: Tiles + SimdDiv, F: Epilogue>(
             }
             let acc = if first { Accum::Replace } else { Accum::Add };
             // P is exactly 0 on the skipped lanes, so Oᵀ there is unchanged.
-            S::block(
-                dv,
-                nvec - u,
-                nb,
-                usize::MAX,
-                vb,
-                1,
-                ldv,
-                s.as_ptr().add(lanes),
-                mp,
-                ot.as_mut_ptr().add(lanes),
-                mp,
-                acc,
-                Plain,
-            );
+            products.values(a, nb, lanes, nvec - u, s, ot, mp, acc);
             first = false;
             j0 += nb;
         }

@@ -61,19 +61,88 @@ impl Epilogue for Softcap {
     }
 }
 
-/// One MR × (NV·W) tile, reducing over `kc` in FMA chains of at most `chain` steps.
+/// Stores `e(k·c)`: the softmax scale applied to a score tile whose operands could not carry it
+/// (bf16 Q, multiplied exactly as the caller gave it), then the epilogue `e`.
+#[derive(Clone, Copy)]
+pub(crate) struct Scaled<F>(pub(crate) f32, pub(crate) F);
+
+impl<F: Epilogue> Epilogue for Scaled<F> {
+    #[inline(always)]
+    unsafe fn apply<S: SimdDiv>(&self, v: S::V) -> S::V {
+        // SAFETY: forwarded contract.
+        unsafe { self.1.apply::<S>(S::mul(v, S::splat(self.0))) }
+    }
+}
+
+/// One step of a tile's reduction: what A and B point at, how a register of B and a broadcast
+/// of A are read, and how they are multiplied into an accumulator. [`Fma`] is the f32 product;
+/// `x86_64::bf16` has a pairwise bf16 one. The tile loops are written once over it.
+pub(crate) trait Mac<S: SimdDiv>: Copy {
+    /// What A points at.
+    type A;
+    /// What B points at.
+    type B;
+    /// The register of B at `b` (`W` lanes of its unit).
+    ///
+    /// # Safety
+    /// Readable; the ISA of `S` is enabled.
+    unsafe fn load_b(b: *const Self::B) -> S::V;
+    /// The element of A at `a`, broadcast.
+    ///
+    /// # Safety
+    /// Readable; the ISA of `S` is enabled.
+    unsafe fn bcast_a(a: *const Self::A) -> S::V;
+    /// `c + a·b`.
+    ///
+    /// # Safety
+    /// The ISA of `S` is enabled.
+    unsafe fn mac(a: S::V, b: S::V, c: S::V) -> S::V;
+}
+
+/// The f32 product: A and B of any [`Elem`], widened as they are read, one FMA per step.
+pub(crate) struct Fma<A, B>(core::marker::PhantomData<(A, B)>);
+
+impl<A, B> Clone for Fma<A, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<A, B> Copy for Fma<A, B> {}
+
+impl<S: SimdDiv, A: Elem, B: Elem> Mac<S> for Fma<A, B> {
+    type A = A;
+    type B = B;
+    #[inline(always)]
+    unsafe fn load_b(b: *const B) -> S::V {
+        // SAFETY: forwarded contract.
+        unsafe { S::load_as(b) }
+    }
+    #[inline(always)]
+    unsafe fn bcast_a(a: *const A) -> S::V {
+        // SAFETY: forwarded contract.
+        unsafe { S::splat(get(a)) }
+    }
+    #[inline(always)]
+    unsafe fn mac(a: S::V, b: S::V, c: S::V) -> S::V {
+        // SAFETY: forwarded contract.
+        unsafe { S::fma(a, b, c) }
+    }
+}
+
+/// One MR × (NV·W) tile, reducing over `kc` in chains of at most `chain` steps. Offsets count
+/// units of `M::A` and `M::B`.
 ///
 /// # Safety
 /// `a` is readable at `i*rsa + p*csa` and `b` at `p*ldb + [0, NV·W)` for `i < MR`, `p < kc`; `c` is
 /// readable (for `Add`) and writable at `i*ldc + [0, NV·W)`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn tile<S: SimdDiv, A: Elem, B: Elem, F: Epilogue, const MR: usize, const NV: usize>(
+unsafe fn tile<S: SimdDiv, M: Mac<S>, F: Epilogue, const MR: usize, const NV: usize>(
     kc: usize,
     chain: usize,
-    a: *const A,
+    a: *const M::A,
     rsa: usize,
     csa: usize,
-    b: *const B,
+    b: *const M::B,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -98,12 +167,12 @@ unsafe fn tile<S: SimdDiv, A: Elem, B: Elem, F: Epilogue, const MR: usize, const
             for p in p0..p1 {
                 let mut bv = [S::splat(0.0); NV];
                 for v in 0..NV {
-                    bv[v] = S::load_as(b.add(p * ldb + v * S::W));
+                    bv[v] = M::load_b(b.add(p * ldb + v * S::W));
                 }
                 for i in 0..MR {
-                    let ai = S::splat(get(a.add(i * rsa + p * csa)));
+                    let ai = M::bcast_a(a.add(i * rsa + p * csa));
                     for v in 0..NV {
-                        r[i][v] = S::fma(ai, bv[v], r[i][v]);
+                        r[i][v] = M::mac(ai, bv[v], r[i][v]);
                     }
                 }
             }
@@ -131,14 +200,14 @@ unsafe fn tile<S: SimdDiv, A: Elem, B: Elem, F: Epilogue, const MR: usize, const
 /// One column panel (NV vectors wide) over all `m` rows: full MR-row tiles, then one shorter
 /// tile. The panel of B (`kc × NV·W`) stays in L1 while the rows of A stream past it.
 #[inline(always)]
-unsafe fn panel<S: SimdDiv, A: Elem, B: Elem, F: Epilogue, const MR: usize, const NV: usize>(
+unsafe fn panel<S: SimdDiv, M: Mac<S>, F: Epilogue, const MR: usize, const NV: usize>(
     m: usize,
     kc: usize,
     chain: usize,
-    a: *const A,
+    a: *const M::A,
     rsa: usize,
     csa: usize,
-    b: *const B,
+    b: *const M::B,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -149,7 +218,7 @@ unsafe fn panel<S: SimdDiv, A: Elem, B: Elem, F: Epilogue, const MR: usize, cons
     // SAFETY: each tile stays inside the `m` rows the caller vouched for.
     unsafe {
         while i + MR <= m {
-            tile::<S, A, B, F, MR, NV>(
+            tile::<S, M, F, MR, NV>(
                 kc,
                 chain,
                 a.add(i * rsa),
@@ -167,13 +236,13 @@ unsafe fn panel<S: SimdDiv, A: Elem, B: Elem, F: Epilogue, const MR: usize, cons
         let (a, c) = (a.add(i * rsa), c.add(i * ldc));
         match m - i {
             0 => {}
-            1 => tile::<S, A, B, F, 1, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            2 => tile::<S, A, B, F, 2, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            3 => tile::<S, A, B, F, 3, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            4 => tile::<S, A, B, F, 4, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            5 => tile::<S, A, B, F, 5, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            6 => tile::<S, A, B, F, 6, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            7 => tile::<S, A, B, F, 7, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            1 => tile::<S, M, F, 1, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            2 => tile::<S, M, F, 2, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            3 => tile::<S, M, F, 3, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            4 => tile::<S, M, F, 4, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            5 => tile::<S, M, F, 5, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            6 => tile::<S, M, F, 6, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            7 => tile::<S, M, F, 7, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
             _ => unreachable!("MR is at most 8"),
         }
     }
@@ -186,22 +255,15 @@ unsafe fn panel<S: SimdDiv, A: Elem, B: Elem, F: Epilogue, const MR: usize, cons
 /// # Safety
 /// As [`tile`], for all `m` rows and `nvec·W` columns; `NV ≤ 4`, `MR ≤ 8`.
 #[inline(always)]
-pub(crate) unsafe fn gemm<
-    S: SimdDiv,
-    A: Elem,
-    B: Elem,
-    F: Epilogue,
-    const MR: usize,
-    const NV: usize,
->(
+pub(crate) unsafe fn gemm<S: SimdDiv, M: Mac<S>, F: Epilogue, const MR: usize, const NV: usize>(
     m: usize,
     nvec: usize,
     kc: usize,
     chain: usize,
-    a: *const A,
+    a: *const M::A,
     rsa: usize,
     csa: usize,
-    b: *const B,
+    b: *const M::B,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -213,7 +275,7 @@ pub(crate) unsafe fn gemm<
     unsafe {
         while v0 + NV <= nvec {
             let off = v0 * S::W;
-            panel::<S, A, B, F, MR, NV>(
+            panel::<S, M, F, MR, NV>(
                 m,
                 kc,
                 chain,
@@ -233,9 +295,9 @@ pub(crate) unsafe fn gemm<
         let (b, c) = (b.add(off), c.add(off));
         match nvec - v0 {
             0 => {}
-            1 => panel::<S, A, B, F, MR, 1>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            2 => panel::<S, A, B, F, MR, 2>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            3 => panel::<S, A, B, F, MR, 3>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            1 => panel::<S, M, F, MR, 1>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            2 => panel::<S, M, F, MR, 2>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
+            3 => panel::<S, M, F, MR, 3>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
             _ => unreachable!("NV is at most 4"),
         }
     }
@@ -285,7 +347,7 @@ macro_rules! tiles {
             ) {
                 // SAFETY: forwarded contract.
                 unsafe {
-                    gemm::<$t, A, B, F, $mr, $nv>(
+                    gemm::<$t, Fma<A, B>, F, $mr, $nv>(
                         m, nvec, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi,
                     )
                 }

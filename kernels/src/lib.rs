@@ -76,7 +76,7 @@ macro_rules! isa_fn {
                 Isa::Avx2 => unsafe { avx2($($arg),*) },
                 // SAFETY: forwarded contract (`isa.is_supported()`).
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => unsafe { avx512($($arg),*) },
+                Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx512($($arg),*) },
                 #[cfg(not(target_arch = "x86_64"))]
                 _ => panic!("{isa} is not available on this target"),
             }
@@ -84,7 +84,22 @@ macro_rules! isa_fn {
     };
 }
 
-isa_fn!(flash_isa(args: &FlashArgs, ops: flash::Operands, scratch: &mut [f32]) => flash::forward);
+isa_fn!(flash_widened(args: &FlashArgs, ops: flash::Operands, scratch: &mut [f32]) => flash::forward);
+
+/// The fused kernel on `isa`: the bf16 pair products where the ISA has them and the operands
+/// suit them, else the widening kernel.
+///
+/// # Safety
+/// `isa.is_supported()` and the contract of `flash::forward`.
+unsafe fn flash_isa(isa: Isa, args: &FlashArgs, ops: flash::Operands, scratch: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if flash_path(isa, ops.q, ops.kv, args.d) == FlashPath::Bf16Pairs {
+        // SAFETY: forwarded contract; `Avx512Bf16` is supported (AVX-512 F, BW, VL, BF16).
+        return unsafe { x86_64::bf16::forward(args, ops, scratch) };
+    }
+    // SAFETY: forwarded contract.
+    unsafe { flash_widened(isa, args, ops, scratch) }
+}
 isa_fn!(decode_isa<Q, KV>(args: &DecodeArgs<Q, KV>, partial: *mut f32, ldp: usize, scratch: &mut [f32]) => decode::decode);
 isa_fn!(softmax_isa(x: &mut [f32], sink: f32) => flash::softmax);
 isa_fn!(apply_row_isa(spec: &ScoreSpec, r: usize, j0: usize, x: &mut [f32], u: f32) => score::apply_row);
@@ -126,6 +141,31 @@ pub unsafe fn flash_forward_as<Q: Elem, KV: Elem>(
     let (args, ops) = flash::erase(args);
     // SAFETY: forwarded contract; `ops` names the types behind the erased pointers.
     unsafe { flash_isa(isa, &args, ops, scratch) }
+}
+
+/// How the fused kernel forms its products for an ISA and operand types (see [`flash_path`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FlashPath {
+    /// f32 FMA tiles; 16-bit operands widened exactly, so the result is bitwise the f32
+    /// kernel's on the widened values.
+    Widened,
+    /// bf16 pairs multiplied by `vdpbf16ps` ([`Isa::Avx512Bf16`], Q, K, V in bf16, `d` even):
+    /// exact products and f32 sums as in f32, but the softmax weights are rounded to bf16 for
+    /// `P·V`, so each output differs from the f32 result by at most `2⁻⁸·Σⱼ pⱼ·|vⱼ|` (plus f32
+    /// rounding), the rounding PyTorch's bf16 attention applies too. The logsumexp and the
+    /// weights are the f32 ones.
+    Bf16Pairs,
+}
+
+/// The products [`flash_forward_as`] uses on `isa` for Q of type `q`, K and V of type `kv`, and
+/// head dimension `d`.
+pub fn flash_path(isa: Isa, q: Dtype, kv: Dtype, d: usize) -> FlashPath {
+    if isa == Isa::Avx512Bf16 && q == Dtype::Bf16 && kv == Dtype::Bf16 && d.is_multiple_of(2) {
+        FlashPath::Bf16Pairs
+    } else {
+        FlashPath::Widened
+    }
 }
 
 /// Decode attention over one key range for a group of rows sharing K and V (see

@@ -6,9 +6,9 @@
 //! Set `ATTNKIT_REQUIRE_ISAS` to fail (not skip) when a path is missing.
 
 use attnkit_kernels::{
-    bf16, decode_partial, decode_scratch_len, f16, flash_forward, flash_forward_as, merge_partials,
-    partial_len, reference, scratch_len_as, DecodeArgs, DecodeRow, DecodeWalk, Elem, FlashArgs,
-    Isa, Operand, ScoreSpec,
+    bf16, decode_partial, decode_scratch_len, f16, flash_forward, flash_forward_as, flash_path,
+    merge_partials, partial_len, reference, scratch_len_as, DecodeArgs, DecodeRow, DecodeWalk,
+    Elem, FlashArgs, FlashPath, Isa, Operand, ScoreSpec,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -94,33 +94,44 @@ fn flash_case<E: Operand>(isa: Isa, rng: &mut SmallRng, s: &Shape) {
         s.dv,
         s.causal
     );
-    for (i, (g, w)) in got.0.iter().zip(&f32s.0).enumerate() {
-        assert_eq!(g.to_bits(), w.to_bits(), "{ctx}: out[{i}] {g} vs f32 {w}");
-    }
-    for (i, (g, w)) in got.1.iter().zip(&f32s.1).enumerate() {
-        assert_eq!(g.to_bits(), w.to_bits(), "{ctx}: lse[{i}] {g} vs f32 {w}");
+    // The pair path rounds P to bf16 (see `FlashPath`): checked against f64 below instead.
+    let pairs = flash_path(isa, E::DTYPE, E::DTYPE, s.d) == FlashPath::Bf16Pairs;
+    if !pairs {
+        for (i, (g, w)) in got.0.iter().zip(&f32s.0).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{ctx}: out[{i}] {g} vs f32 {w}");
+        }
+        for (i, (g, w)) in got.1.iter().zip(&f32s.1).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{ctx}: lse[{i}] {g} vs f32 {w}");
+        }
     }
     let spec = ScoreSpec {
         causal: s.causal,
         ..ScoreSpec::new(s.n)
     };
     let scale = 1.0 / (s.d as f64).sqrt();
-    let (want, _, _) = reference::attention_head(
-        s.m,
-        s.n,
-        s.dv,
-        |i, j| {
-            let dot: f64 = (0..s.d)
-                .map(|p| qf[i * lds.0 + p] as f64 * kf[j * lds.1 + p] as f64)
-                .sum();
-            reference::logit(&spec, i, j, dot * scale, 0.0, true)
-        },
-        |j, c| vf[j * lds.2 + c] as f64,
-    );
+    let logit = |i: usize, j: usize| {
+        let dot: f64 = (0..s.d)
+            .map(|p| qf[i * lds.0 + p] as f64 * kf[j * lds.1 + p] as f64)
+            .sum();
+        reference::logit(&spec, i, j, dot * scale, 0.0, true)
+    };
+    let (want, want_lse, _) =
+        reference::attention_head(s.m, s.n, s.dv, logit, |j, c| vf[j * lds.2 + c] as f64);
+    // The pair path's bound: each weight rounded to bf16 (relative 2⁻⁸), so Σⱼ pⱼ·|vⱼ|·2⁻⁸.
+    let (spread, _, _) = reference::attention_head(s.m, s.n, s.dv, logit, |j, c| {
+        (vf[j * lds.2 + c] as f64).abs()
+    });
     for (i, (g, w)) in got.0.iter().zip(&want).enumerate() {
+        let tol = 1e-5 + 1e-5 * w.abs() + if pairs { spread[i] / 256.0 } else { 0.0 };
+        assert!(
+            (*g as f64 - w).abs() <= tol,
+            "{ctx}: out[{i}] {g} vs f64 {w} (tolerance {tol:e})"
+        );
+    }
+    for (i, (g, w)) in got.1.iter().zip(&want_lse).enumerate() {
         assert!(
             (*g as f64 - w).abs() <= 1e-5 + 1e-5 * w.abs(),
-            "{ctx}: out[{i}] {g} vs f64 {w}"
+            "{ctx}: lse[{i}] {g} vs f64 {w}"
         );
     }
 }
@@ -138,6 +149,11 @@ fn flash_reads_bf16_and_f16_operands_exactly_as_their_f32_values() {
         (9, 129, 80, 17),
         (64, 200, 128, 48),
         (3, 70, 256, 8),
+        // The pair path: odd key blocks (odd `n` past a block), causal diagonals over several
+        // lane vectors, D not a multiple of 16, a direct block with Dv = 64.
+        (96, 333, 64, 64),
+        (40, 130, 18, 33),
+        (50, 77, 96, 64),
     ];
     for isa in isas() {
         for (c, &(m, n, d, dv)) in shapes.iter().enumerate() {

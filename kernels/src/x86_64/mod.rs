@@ -66,6 +66,7 @@ macro_rules! avx_transposes {
 
 pub(crate) mod avx2;
 pub(crate) mod avx512;
+pub(crate) mod bf16;
 
 use core::arch::x86_64::*;
 

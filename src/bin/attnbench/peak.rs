@@ -33,6 +33,29 @@ unsafe fn fma_avx512(iters: u64, a: f32, b: f32) -> f32 {
     _mm512_reduce_add_ps(s)
 }
 
+/// The pair product's ceiling: `vdpbf16ps` in independent chains (64 flops each: 16 lanes of
+/// two products and two adds), what the `avx512bf16` kernel's products run on.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::incompatible_msrv)]
+unsafe fn dpbf16_avx512(iters: u64, a: f32) -> f32 {
+    use std::arch::x86_64::*;
+    // Both halves of each pair hold `a` rounded to bf16.
+    let bits = (a.to_bits() >> 16) * 0x1_0001;
+    let va: __m512bh = core::mem::transmute(_mm512_set1_epi32(bits as i32));
+    let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbf16_ps(*x, va, va);
+        }
+    }
+    let mut s = _mm512_setzero_ps();
+    for x in acc {
+        s = _mm512_add_ps(s, x);
+    }
+    _mm512_reduce_add_ps(s)
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn fma_avx2(iters: u64, a: f32, b: f32) -> f32 {
@@ -61,6 +84,11 @@ type Probe = (fn(u64) -> f32, f64, &'static str);
 fn kernel(isa: Isa) -> Option<Probe> {
     #[cfg(target_arch = "x86_64")]
     {
+        if isa == Isa::Avx512Bf16 && isa.is_supported() {
+            // SAFETY: AVX-512 F and BF16 are part of the path, just checked.
+            let f: fn(u64) -> f32 = |n| unsafe { dpbf16_avx512(n, black_box(1e-3)) };
+            return Some((f, (CHAINS * 16 * 4) as f64, "AVX-512 BF16 dot"));
+        }
         if isa == Isa::Avx512 && std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: AVX-512F was just detected.
             let f: fn(u64) -> f32 =
