@@ -38,7 +38,7 @@ thread_local! {
 /// # Errors
 /// [`AttnError::Alloc`](crate::AttnError) if the partials or the kernel's scratch cannot be
 /// allocated (then nothing was written).
-pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
+pub(crate) fn run<Q: Elem, KV: Operand, O: Elem>(p: &Plan<Q, KV, O>, par: Par) -> Result<()> {
     let s = p.shape;
     let groups = s.b * s.hkv;
     let g = s.hq / s.hkv;
@@ -65,7 +65,7 @@ pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
     }
     let (buf_parts, row) = buf.split_at_mut(len);
     let parts = SendPtr(buf_parts.as_mut_ptr());
-    let scratch = decode_scratch_len(s.d, s.dv);
+    let scratch = task_scratch_len::<Q>(s.d, s.dv);
     run_tasks_scratch(par, groups * chunks, p.work(), scratch, |t, scratch| {
         // SAFETY: task `t` owns partial rows `[t·rows, (t+1)·rows)` of the buffer.
         let dst = unsafe { parts.get().add(t * per_task) };
@@ -111,9 +111,23 @@ pub(crate) fn run<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
     Ok(())
 }
 
+/// Query rows per kernel call (the kernel itself works in groups of 8 rows).
+const PASS_ROWS: usize = 16;
+
+/// Scratch floats of a task: the kernel's, plus a pass of queries widened to f32 when they are
+/// not f32 (the kernels' instances read f32 queries; see [`Operand`]).
+fn task_scratch_len<Q: Elem>(d: usize, dv: usize) -> usize {
+    let widened = if Q::DTYPE == Dtype::F32 {
+        0
+    } else {
+        PASS_ROWS.saturating_mul(d)
+    };
+    decode_scratch_len(d, dv).saturating_add(widened)
+}
+
 /// Task `(grp, chunk)`: every query row of KV group `grp` over key chunk `chunk`, partials to `dst`.
-fn task<E: Operand, O: Elem>(
-    p: &Plan<E, O>,
+fn task<Q: Elem, KV: Operand, O: Elem>(
+    p: &Plan<Q, KV, O>,
     grp: usize,
     chunk: usize,
     clen: usize,
@@ -127,11 +141,17 @@ fn task<E: Operand, O: Elem>(
     let mut rows = [DecodeRow {
         q: core::ptr::null(),
         spec: ScoreSpec::new(0),
-    }; 16];
+    }; PASS_ROWS];
+    // Queries not in f32 are widened a pass at a time into the end of the scratch.
+    let (scratch, qw) = if Q::DTYPE == Dtype::F32 {
+        (scratch, &mut [][..])
+    } else {
+        let n = scratch.len() - PASS_ROWS * s.d;
+        scratch.split_at_mut(n)
+    };
     let nrows = g * s.lq;
     let j_begin = chunk * clen;
     let j_end = (j_begin + clen).min(s.lk);
-    // Rows in passes of 16 (the kernel itself works in groups of 8 rows).
     for r0 in (0..nrows).step_by(rows.len()) {
         let n = rows.len().min(nrows - r0);
         for (k, row) in rows[..n].iter_mut().enumerate() {
@@ -139,6 +159,17 @@ fn task<E: Operand, O: Elem>(
             let (h, i) = (hk * g + r / s.lq, r % s.lq);
             // SAFETY: offset of a validated view (see `Plan::new`).
             let q = unsafe { p.q.add(off(p.qs, b, h, i)) };
+            let q = if Q::DTYPE == Dtype::F32 {
+                q.cast::<f32>()
+            } else {
+                let dst = &mut qw[k * s.d..(k + 1) * s.d];
+                // SAFETY: row `i` of the validated view holds `D` elements.
+                let src = unsafe { core::slice::from_raw_parts(q, s.d) };
+                for (x, y) in dst.iter_mut().zip(src) {
+                    *x = y.to_f32();
+                }
+                dst.as_ptr()
+            };
             *row = DecodeRow {
                 q,
                 spec: p.spec(b, h, i),
@@ -161,6 +192,6 @@ fn task<E: Operand, O: Elem>(
         };
         // SAFETY: rows, K/V and masks are in bounds for keys < j_end ≤ Lk; `dst` holds
         // `nrows` partial rows of `pl` floats owned by this task; the ISA was checked.
-        unsafe { E::decode_partial(p.isa, &args, dst.add(r0 * pl), pl, scratch) };
+        unsafe { KV::decode_partial(p.isa, &args, dst.add(r0 * pl), pl, scratch) };
     }
 }

@@ -221,7 +221,8 @@ impl<E: Operand> KvCache<E> {
     /// cache: bottom-right causal per sequence (query `i` of sequence `b` sees keys
     /// `j ≤ lens[b] − Lq + i`), key padding from the lengths, plus whatever else `opts` sets
     /// (window, mask, ISA, path). Writes `out (B, Hq, Lq, Dv)`, in f32 or the 16-bit types.
-    /// The queries are of the cache's type.
+    /// The queries may be of any operand type: f32 queries over a bf16 or f16 cache keep their
+    /// precision (the cache's values are widened exactly on load).
     ///
     /// # Errors
     /// As [`crate::sdpa`].
@@ -237,9 +238,9 @@ impl<E: Operand> KvCache<E> {
     /// assert_eq!(out, kv);
     /// # Ok::<(), attnkit::AttnError>(())
     /// ```
-    pub fn attend<O: Elem>(
+    pub fn attend<Q: Elem, O: Elem>(
         &self,
-        q: &Tensor<E>,
+        q: &Tensor<Q>,
         out: &mut TensorMut<O>,
         opts: &SdpaOptions,
     ) -> Result<()> {

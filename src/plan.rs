@@ -41,20 +41,20 @@ pub(crate) struct MaskPlan<T> {
     pub(crate) strides: [usize; 3],
 }
 
-/// Everything validated, as raw parts the tasks can share: Q, K and V of element type `E`, the
-/// output of `O`.
-pub(crate) struct Plan<E = f32, O = f32> {
+/// Everything validated, as raw parts the tasks can share: Q of element type `Q`, K and V of
+/// `KV`, the output of `O`.
+pub(crate) struct Plan<Q = f32, KV = f32, O = f32> {
     pub(crate) isa: Isa,
     pub(crate) shape: Shape,
     pub(crate) scale: f32,
     pub(crate) causal: Option<Causal>,
     pub(crate) window: Option<usize>,
     pub(crate) kernel: Kernel,
-    pub(crate) q: *const E,
+    pub(crate) q: *const Q,
     pub(crate) qs: [usize; 3],
-    pub(crate) k: *const E,
+    pub(crate) k: *const KV,
     pub(crate) ks: [usize; 3],
-    pub(crate) v: *const E,
+    pub(crate) v: *const KV,
     pub(crate) vs: [usize; 3],
     pub(crate) o: *mut O,
     pub(crate) os: [usize; 3],
@@ -72,7 +72,7 @@ pub(crate) struct Plan<E = f32, O = f32> {
 // SAFETY: the pointers come from borrows that outlive the `Plan` (it lives inside `sdpa_ext`),
 // inputs are only read, and every task writes a disjoint set of output rows (checked by
 // `check_disjoint` for `out`; `lse` and `weights` are dense and indexed by the task's rows).
-unsafe impl<E: Elem, O: Elem> Sync for Plan<E, O> {}
+unsafe impl<Q: Elem, KV: Elem, O: Elem> Sync for Plan<Q, KV, O> {}
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Shape {
@@ -144,12 +144,12 @@ pub(crate) fn off(st: [usize; 3], b: usize, h: usize, r: usize) -> usize {
     b * st[0] + h * st[1] + r * st[2]
 }
 
-impl<E: Elem, O: Elem> Plan<E, O> {
+impl<Q: Elem, KV: Elem, O: Elem> Plan<Q, KV, O> {
     /// Validates everything and binds `out` as the destination.
     pub(crate) fn new(
-        q: &Tensor<E>,
-        k: &Tensor<E>,
-        v: &Tensor<E>,
+        q: &Tensor<Q>,
+        k: &Tensor<KV>,
+        v: &Tensor<KV>,
         out: &mut TensorMut<O>,
         opts: &SdpaOptions,
         extras: &mut Extras,
@@ -165,9 +165,9 @@ impl<E: Elem, O: Elem> Plan<E, O> {
     /// Validates the inputs, options and extras against an output of shape `out_shape`; the
     /// returned plan has no destination yet (null `o`).
     pub(crate) fn validate(
-        q: &Tensor<E>,
-        k: &Tensor<E>,
-        v: &Tensor<E>,
+        q: &Tensor<Q>,
+        k: &Tensor<KV>,
+        v: &Tensor<KV>,
         out_shape: [usize; 4],
         opts: &SdpaOptions,
         extras: &mut Extras,
@@ -304,7 +304,6 @@ impl<E: Elem, O: Elem> Plan<E, O> {
             }
             weights = buf.as_mut_ptr();
         }
-        let strides = |width: usize, t: &Tensor<E>| used_strides(width, t.shape, t.strides);
         Ok(Plan {
             isa,
             shape,
@@ -313,11 +312,11 @@ impl<E: Elem, O: Elem> Plan<E, O> {
             window,
             kernel,
             q: q.data.as_ptr(),
-            qs: strides(d, q),
+            qs: used_strides(d, q.shape, q.strides),
             k: k.data.as_ptr(),
-            ks: strides(d, k),
+            ks: used_strides(d, k.shape, k.strides),
             v: v.data.as_ptr(),
-            vs: strides(dv, v),
+            vs: used_strides(dv, v.shape, v.strides),
             o: core::ptr::null_mut(),
             os: [0; 3],
             bias,

@@ -25,11 +25,11 @@ const Q_BLOCK_TALL: usize = 192;
 const KV_L2_BYTES: usize = 1 << 20;
 
 /// Query rows per task (see [`Q_BLOCK_TALL`]).
-fn q_block<E, O>(p: &Plan<E, O>) -> usize {
+fn q_block<Q, KV, O>(p: &Plan<Q, KV, O>) -> usize {
     let s = &p.shape;
     let kv =
         s.lk.saturating_mul(s.d.saturating_add(s.dv))
-            .saturating_mul(core::mem::size_of::<E>());
+            .saturating_mul(core::mem::size_of::<KV>());
     if p.causal.is_none() && kv > KV_L2_BYTES {
         Q_BLOCK_TALL
     } else {
@@ -37,7 +37,7 @@ fn q_block<E, O>(p: &Plan<E, O>) -> usize {
     }
 }
 
-fn q_blocks<E, O>(p: &Plan<E, O>) -> usize {
+fn q_blocks<Q, KV, O>(p: &Plan<Q, KV, O>) -> usize {
     p.shape.lq.div_ceil(q_block(p))
 }
 
@@ -46,7 +46,7 @@ fn q_blocks<E, O>(p: &Plan<E, O>) -> usize {
 /// # Errors
 /// [`AttnError::Alloc`](crate::AttnError) if the kernel's scratch cannot be allocated (then
 /// nothing was written).
-pub(crate) fn run<E: Elem, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
+pub(crate) fn run<Q: Elem, KV: Elem, O: Elem>(p: &Plan<Q, KV, O>, par: Par) -> Result<()> {
     let s = &p.shape;
     let (nqb, group) = (q_blocks(p), s.hq / s.hkv);
     let n = s.b * s.hq * nqb;
@@ -77,20 +77,20 @@ pub(crate) fn run<E: Elem, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
 
 /// Scratch floats of a task of `m` rows: the kernel's, plus `m·Dv` for an output not in f32
 /// (written by the kernel into f32 scratch and rounded from there).
-fn task_scratch_len<E: Elem, O: Elem>(p: &Plan<E, O>, m: usize) -> usize {
+fn task_scratch_len<Q: Elem, KV: Elem, O: Elem>(p: &Plan<Q, KV, O>, m: usize) -> usize {
     let s = &p.shape;
     let staged = if O::DTYPE == Dtype::F32 {
         0
     } else {
         m.saturating_mul(s.dv)
     };
-    scratch_len_as::<E, E>(m, s.d, s.dv).saturating_add(staged)
+    scratch_len_as::<Q, KV>(m, s.d, s.dv).saturating_add(staged)
 }
 
 /// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of
 /// at least [`task_scratch_len`] floats.
-fn task<E: Elem, O: Elem>(
-    p: &Plan<E, O>,
+fn task<Q: Elem, KV: Elem, O: Elem>(
+    p: &Plan<Q, KV, O>,
     b: usize,
     h: usize,
     hk: usize,

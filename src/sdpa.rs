@@ -21,12 +21,15 @@ use attnkit_kernels::{Elem, Operand};
 /// Writes only the elements of `out` inside its view and allocates nothing (scratch is kept per
 /// thread and reused).
 ///
-/// **Element types.** Q, K and V are all `f32`, all [`bf16`](crate::bf16) or all
-/// [`f16`](struct@crate::f16) (a type shared at compile time, so operands cannot disagree);
-/// `out` is `f32` or any of them. The kernels widen 16-bit inputs exactly on load and compute in
-/// f32 (scores, softmax, running max and sum, the output accumulator), so a bf16/f16 call
-/// returns in f32 what the f32 call returns on the widened values, bit for bit; a 16-bit `out`
-/// is that result rounded once (to nearest even). `lse` and `weights` are always f32.
+/// **Element types.** K and V share one type, `f32`, [`bf16`](crate::bf16) or
+/// [`f16`](struct@crate::f16) (fixed at compile time, so they cannot disagree); Q is any of the
+/// three (f32 queries over a 16-bit cache are the usual decoding case); `out` is `f32` or any of
+/// them. The kernels widen 16-bit inputs exactly on load and compute in f32 (scores, softmax,
+/// running max and sum, the output accumulator), so a call on 16-bit operands returns in f32
+/// what the f32 call returns on the widened values, bit for bit; a 16-bit `out` is that result
+/// rounded once (to nearest even). `lse` and `weights` are always f32. The one exception is the
+/// opt-in [`Isa::Avx512Bf16`](crate::Isa::Avx512Bf16) with Q, K and V all bf16, which rounds the
+/// softmax weights to bf16 (see [`FlashPath`](crate::kernels::FlashPath)).
 ///
 /// # Errors
 /// [`AttnError`](crate::AttnError) naming the argument and sizes for: a dimension that disagrees between q, k, v,
@@ -52,10 +55,10 @@ use attnkit_kernels::{Elem, Operand};
 /// assert!((out[0] - 0.1).abs() < 1e-6);
 /// # Ok::<(), attnkit::AttnError>(())
 /// ```
-pub fn sdpa<E: Operand, O: Elem>(
-    q: &Tensor<E>,
-    k: &Tensor<E>,
-    v: &Tensor<E>,
+pub fn sdpa<Q: Elem, KV: Operand, O: Elem>(
+    q: &Tensor<Q>,
+    k: &Tensor<KV>,
+    v: &Tensor<KV>,
     out: &mut TensorMut<O>,
     opts: &SdpaOptions,
 ) -> Result<()> {
@@ -66,16 +69,16 @@ pub fn sdpa<E: Operand, O: Elem>(
 ///
 /// # Errors
 /// As [`sdpa`].
-pub fn sdpa_vec<E: Operand>(
-    q: &Tensor<E>,
-    k: &Tensor<E>,
-    v: &Tensor<E>,
+pub fn sdpa_vec<Q: Elem, KV: Operand>(
+    q: &Tensor<Q>,
+    k: &Tensor<KV>,
+    v: &Tensor<KV>,
     opts: &SdpaOptions,
 ) -> Result<Vec<f32>> {
     let [b, hq, lq, _] = q.shape;
     let shape = [b, hq, lq, v.shape[3]];
     // Validate before allocating: a bad argument is reported as such, not as a failed allocation.
-    Plan::<E, f32>::validate(q, k, v, shape, opts, &mut Extras::default())?;
+    Plan::<Q, KV, f32>::validate(q, k, v, shape, opts, &mut Extras::default())?;
     let mut buf = zeros_for("out", &shape)?;
     sdpa(q, k, v, &mut TensorMut::bhld(&mut buf, shape), opts)?;
     Ok(buf)
@@ -86,10 +89,10 @@ pub fn sdpa_vec<E: Operand>(
 /// # Errors
 /// As [`sdpa`], plus a wrong length of `extras.lse` (`B·Hq·Lq`) or `extras.weights`
 /// (`B·Hq·Lq·Lk`).
-pub fn sdpa_ext<E: Operand, O: Elem>(
-    q: &Tensor<E>,
-    k: &Tensor<E>,
-    v: &Tensor<E>,
+pub fn sdpa_ext<Q: Elem, KV: Operand, O: Elem>(
+    q: &Tensor<Q>,
+    k: &Tensor<KV>,
+    v: &Tensor<KV>,
     out: &mut TensorMut<O>,
     opts: &SdpaOptions,
     mut extras: Extras,
@@ -99,7 +102,7 @@ pub fn sdpa_ext<E: Operand, O: Elem>(
 }
 
 /// Runs a validated plan: the cases with nothing to compute, then the driver of its kernel.
-fn execute<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
+fn execute<Q: Elem, KV: Operand, O: Elem>(p: &Plan<Q, KV, O>, par: Par) -> Result<()> {
     let s = &p.shape;
     if s.b == 0 || s.hq == 0 || s.lq == 0 {
         return Ok(());
@@ -125,7 +128,7 @@ fn execute<E: Operand, O: Elem>(p: &Plan<E, O>, par: Par) -> Result<()> {
 /// The logsumexp of rows with `D = Dv = 0` and no mask: every visible score is 0, so it is
 /// the log of the visible key count, found without walking the keys (the views are empty,
 /// so nothing else bounds `Lk`).
-fn run_lse_only<E: Elem, O: Elem>(p: &Plan<E, O>) {
+fn run_lse_only<Q: Elem, KV: Elem, O: Elem>(p: &Plan<Q, KV, O>) {
     let s = &p.shape;
     for b in 0..s.b {
         for h in 0..s.hq {

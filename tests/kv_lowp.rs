@@ -87,6 +87,7 @@ fn case<E: Operand>(seed: u64) {
                 .map(E::from_f32)
                 .collect();
             let qf = widen(&q);
+            let q32 = randn(&mut rng, b * hq * lq * d, 1.0);
             for isa in isas() {
                 for kernel in [Kernel::Auto, Kernel::Prefill, Kernel::Decode] {
                     for window in [None, Some(5)] {
@@ -142,11 +143,92 @@ fn case<E: Operand>(seed: u64) {
                         let rounded: Vec<f32> =
                             got.iter().map(|&x| E::from_f32(x).to_f32()).collect();
                         assert_eq!(widen(&got16), rounded, "{what}, 16-bit out");
+                        // f32 queries (not representable in E) over the 16-bit cache: what the
+                        // f32 cache gives them, bitwise (no path rounds f32 queries).
+                        let mut want32 = vec![0.0f32; want.len()];
+                        f32c.attend(
+                            &Tensor::bhld(&q32, [b, hq, lq, d]),
+                            &mut TensorMut::bhld(&mut want32, oshape),
+                            &opts,
+                        )
+                        .unwrap();
+                        let mut got32 = vec![f32::NAN; want.len()];
+                        lowp.attend(
+                            &Tensor::bhld(&q32, [b, hq, lq, d]),
+                            &mut TensorMut::bhld(&mut got32, oshape),
+                            &opts,
+                        )
+                        .unwrap();
+                        assert_eq!(
+                            got32.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            want32.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            "{what}, f32 queries"
+                        );
                     }
                 }
             }
         }
     }
+}
+
+/// `sdpa` with Q of one type and K, V of another (every combination of f32, bf16, f16, through
+/// both kernels): what the all-f32 call gives on the widened values, bitwise.
+#[test]
+fn mixed_query_and_cache_types_compute_on_widened_values() {
+    fn run<Q: Elem, KV: Operand>(rng: &mut SmallRng) {
+        let (b, hq, hkv, lq, lk, d) = (2, 4, 2, 5, 37, 24);
+        let q: Vec<Q> = randn(rng, b * hq * lq * d, 1.0)
+            .into_iter()
+            .map(Q::from_f32)
+            .collect();
+        let kv: Vec<KV> = randn(rng, b * hkv * lk * d, 1.0)
+            .into_iter()
+            .map(KV::from_f32)
+            .collect();
+        let (qf, kvf) = (widen(&q), widen(&kv));
+        let (qs, ks, os) = ([b, hq, lq, d], [b, hkv, lk, d], [b, hq, lq, d]);
+        for isa in isas() {
+            for kernel in [Kernel::Prefill, Kernel::Decode] {
+                let opts = SdpaOptions::new()
+                    .isa(isa)
+                    .kernel(kernel)
+                    .causal(attnkit::Causal::BottomRight);
+                let mut want = vec![0.0f32; b * hq * lq * d];
+                let t = Tensor::bhld(&kvf, ks);
+                attnkit::sdpa(
+                    &Tensor::bhld(&qf, qs),
+                    &t,
+                    &t,
+                    &mut TensorMut::bhld(&mut want, os),
+                    &opts,
+                )
+                .unwrap();
+                let mut got = vec![f32::NAN; want.len()];
+                let t = Tensor::bhld(&kv, ks);
+                attnkit::sdpa(
+                    &Tensor::bhld(&q, qs),
+                    &t,
+                    &t,
+                    &mut TensorMut::bhld(&mut got, os),
+                    &opts,
+                )
+                .unwrap();
+                assert_eq!(
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "Q {:?} KV {:?} {isa} {kernel:?}",
+                    Q::DTYPE,
+                    KV::DTYPE
+                );
+            }
+        }
+    }
+    let mut rng = SmallRng::seed_from_u64(3);
+    run::<f32, bf16>(&mut rng);
+    run::<f32, f16>(&mut rng);
+    run::<bf16, f32>(&mut rng);
+    run::<f16, bf16>(&mut rng);
+    run::<bf16, f16>(&mut rng);
 }
 
 #[test]

@@ -209,19 +209,20 @@ pub unsafe fn decode_partial_as<Q: Elem, KV: Elem>(
     unsafe { decode_isa(isa, args, partial, ldp, scratch) }
 }
 
-/// An element type whose decode kernel, with Q, K and V all of that type, is compiled once in
-/// this crate: `f32`, [`bf16`] and [`f16`](struct@f16). Callers generic over the operand type
+/// An element type whose decode kernel, with f32 queries and K, V of that type, is compiled once
+/// in this crate: `f32`, [`bf16`] and [`f16`](struct@f16). Callers generic over the cache's type
 /// dispatch through it rather than instantiating [`decode_partial_as`] themselves (each instance
-/// is minutes of build). The flash kernel needs no such trait: it is compiled once for every type
-/// ([`flash_forward_as`] only erases the types).
+/// is minutes of build); queries of another type are widened to f32 first (exact, and a few
+/// rows of `d` values per call). The flash kernel needs no such trait: it is compiled once for
+/// every type ([`flash_forward_as`] only erases the types).
 pub trait Operand: Elem {
-    /// [`decode_partial`] for operands of this type.
+    /// [`decode_partial`] for f32 queries over K and V of this type.
     ///
     /// # Safety
     /// As [`decode_partial`].
     unsafe fn decode_partial(
         isa: Isa,
-        args: &DecodeArgs<Self, Self>,
+        args: &DecodeArgs<f32, Self>,
         partial: *mut f32,
         ldp: usize,
         scratch: &mut [f32],
@@ -234,7 +235,7 @@ macro_rules! operand {
             #[inline(never)]
             unsafe fn decode_partial(
                 isa: Isa,
-                args: &DecodeArgs<Self, Self>,
+                args: &DecodeArgs<f32, Self>,
                 partial: *mut f32,
                 ldp: usize,
                 scratch: &mut [f32],

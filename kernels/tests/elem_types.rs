@@ -6,9 +6,9 @@
 //! Set `ATTNKIT_REQUIRE_ISAS` to fail (not skip) when a path is missing.
 
 use attnkit_kernels::{
-    bf16, decode_partial, decode_scratch_len, f16, flash_forward, flash_forward_as, flash_path,
-    merge_partials, partial_len, reference, scratch_len_as, DecodeArgs, DecodeRow, DecodeWalk,
-    Elem, FlashArgs, FlashPath, Isa, Operand, ScoreSpec,
+    bf16, decode_partial, decode_partial_as, decode_scratch_len, f16, flash_forward,
+    flash_forward_as, flash_path, merge_partials, partial_len, reference, scratch_len_as,
+    DecodeArgs, DecodeRow, DecodeWalk, Elem, FlashArgs, FlashPath, Isa, Operand, ScoreSpec,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -237,9 +237,14 @@ fn decode_case<E: Operand>(
     // SAFETY (both closures): `decode` passes K, V covering `n` rows, Q `rows` rows and a
     // partial buffer of two chunks of `rows` partials; the ISA is supported.
     let generic = |a: &DecodeArgs<E, E>, p: *mut f32, ldp: usize, sc: &mut [f32]| unsafe {
-        E::decode_partial(isa, a, p, ldp, sc)
+        decode_partial_as(isa, a, p, ldp, sc)
     };
     let got = decode(generic, walk, &q, rows, &k, &v, ext);
+    // The compiled instance: f32 queries (the widened ones) over K and V of `E`.
+    let instance = |a: &DecodeArgs<f32, E>, p: *mut f32, ldp: usize, sc: &mut [f32]| unsafe {
+        E::decode_partial(isa, a, p, ldp, sc)
+    };
+    let got_instance = decode(instance, walk, &qf, rows, &k, &v, ext);
     let f32 = |a: &DecodeArgs, p: *mut f32, ldp: usize, sc: &mut [f32]| unsafe {
         decode_partial(isa, a, p, ldp, sc)
     };
@@ -249,8 +254,13 @@ fn decode_case<E: Operand>(
         E::DTYPE,
         E::DTYPE
     );
-    for (i, (g, w)) in got.iter().zip(&f32s).enumerate() {
+    for (i, ((g, gi), w)) in got.iter().zip(&got_instance).zip(&f32s).enumerate() {
         assert_eq!(g.to_bits(), w.to_bits(), "{ctx}: [{i}] {g} vs f32 {w}");
+        assert_eq!(
+            gi.to_bits(),
+            w.to_bits(),
+            "{ctx}: [{i}] f32 Q: {gi} vs f32 {w}"
+        );
     }
     let scale = 1.0 / (d as f64).sqrt();
     for r in 0..rows {
