@@ -45,9 +45,10 @@ impl Case {
         (self.b * self.h) as f64 * self.lq as f64 * self.lk as f64 * self.d as f64
     }
 
-    /// Bytes of K and V, read at least once by every implementation (the decode bound).
-    pub fn kv_bytes(&self) -> f64 {
-        2.0 * 4.0 * (self.b * self.hkv * self.lk * self.d) as f64
+    /// Bytes of K and V in elements of `elem` bytes, read at least once by every implementation
+    /// (the decode bound).
+    pub fn kv_bytes(&self, elem: f64) -> f64 {
+        2.0 * elem * (self.b * self.hkv * self.lk * self.d) as f64
     }
 
     /// Bytes of Q, K and V.

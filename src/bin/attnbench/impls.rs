@@ -14,16 +14,28 @@ pub struct Inputs {
     pub q: AlignedBuf,
     pub k: AlignedBuf,
     pub v: AlignedBuf,
-    /// Q, K, V in `--dtype` when it is not f32 (then `q`, `k`, `v` hold the same values widened,
-    /// so every implementation computes on the same numbers).
-    pub lowp: Lowp,
+    /// Q in `--dtype`, K and V in `--kv-dtype` (default: `--dtype`), for our fused kernels; where
+    /// a type is not f32, `q`, `k`, `v` hold the same values widened, so every implementation
+    /// computes on the same numbers.
+    pub typed: [Typed; 3],
 }
 
-/// 16-bit copies of the inputs, for our kernels under `--dtype bf16|f16`.
-pub enum Lowp {
-    None,
-    Bf16([Vec<bf16>; 3]),
-    F16([Vec<f16>; 3]),
+/// One input in the type our kernels read it in: the f32 buffer itself, or a 16-bit copy.
+pub enum Typed {
+    F32,
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl Typed {
+    /// `x` in `dt` (rounding `x` to it in place).
+    fn of(dt: Dtype, x: &mut [f32]) -> Typed {
+        match dt {
+            Dtype::Bf16 => Typed::Bf16(round_to(x)),
+            Dtype::F16 => Typed::F16(round_to(x)),
+            _ => Typed::F32,
+        }
+    }
 }
 
 /// `x` rounded to `E`, and `x` overwritten with the rounded values widened.
@@ -61,12 +73,14 @@ impl Inputs {
             buf
         };
         let (mut q, mut k, mut v) = (fill(case.q_len()), fill(case.kv_len()), fill(case.kv_len()));
-        let lowp = match modifiers().dtype {
-            Dtype::Bf16 => Lowp::Bf16([round_to(&mut q), round_to(&mut k), round_to(&mut v)]),
-            Dtype::F16 => Lowp::F16([round_to(&mut q), round_to(&mut k), round_to(&mut v)]),
-            _ => Lowp::None,
-        };
-        Inputs { q, k, v, lowp }
+        let m = modifiers();
+        let kv = m.kv_dtype.unwrap_or(m.dtype);
+        let typed = [
+            Typed::of(m.dtype, &mut q),
+            Typed::of(kv, &mut k),
+            Typed::of(kv, &mut v),
+        ];
+        Inputs { q, k, v, typed }
     }
 }
 
@@ -114,25 +128,39 @@ pub const NAMES: &[&str] = &[
 /// weights and a FLOP convention of their own); `--impl` names them only to say so.
 const LAYERS: &[&str] = &["mha", "additive"];
 
-fn views<'a, E: Elem>(
+fn views<'a, Q: Elem, KV: Elem>(
     case: &Case,
-    qkv: [&'a [E]; 3],
+    q: &'a [Q],
+    kv: [&'a [KV]; 2],
     out: &'a mut [f32],
-) -> (Tensor<'a, E>, Tensor<'a, E>, Tensor<'a, E>, TensorMut<'a>) {
+) -> (Tensor<'a, Q>, Tensor<'a, KV>, Tensor<'a, KV>, TensorMut<'a>) {
     let qs = [case.b, case.h, case.lq, case.d];
     let kvs = [case.b, case.hkv, case.lk, case.d];
     (
-        Tensor::bhld(qkv[0], qs),
-        Tensor::bhld(qkv[1], kvs),
-        Tensor::bhld(qkv[2], kvs),
+        Tensor::bhld(q, qs),
+        Tensor::bhld(kv[0], kvs),
+        Tensor::bhld(kv[1], kvs),
         TensorMut::bhld(out, qs),
     )
 }
 
-/// `sdpa` on the inputs in `E` (f32 output).
-fn sdpa_in<E: Operand>(case: &Case, qkv: [&[E]; 3], out: &mut [f32], opts: &SdpaOptions) {
-    let (q, k, v, mut o) = views(case, qkv, out);
-    sdpa(&q, &k, &v, &mut o, opts).expect("sdpa failed");
+/// `sdpa` on Q in `Q` and K, V as `inp.typed` holds them (f32 output).
+fn sdpa_in<Q: Elem>(case: &Case, q: &[Q], inp: &Inputs, out: &mut [f32], opts: &SdpaOptions) {
+    fn go<Q: Elem, KV: Operand>(
+        case: &Case,
+        q: &[Q],
+        kv: [&[KV]; 2],
+        out: &mut [f32],
+        opts: &SdpaOptions,
+    ) {
+        let (q, k, v, mut o) = views(case, q, kv, out);
+        sdpa(&q, &k, &v, &mut o, opts).expect("sdpa failed");
+    }
+    match &inp.typed[1..] {
+        [Typed::Bf16(k), Typed::Bf16(v)] => go(case, q, [k, v], out, opts),
+        [Typed::F16(k), Typed::F16(v)] => go(case, q, [k, v], out, opts),
+        _ => go(case, q, [&inp.k[..], &inp.v[..]], out, opts),
+    }
 }
 
 fn shapes(case: &Case) -> ([usize; 4], [usize; 4]) {
@@ -149,8 +177,11 @@ pub struct Modifiers {
     pub alibi: bool,
     pub softcap: Option<f32>,
     pub sinks: bool,
-    /// Element type of Q, K and V for our fused kernels (`--dtype`; output in f32).
+    /// Element type of Q (and of K, V without `kv_dtype`) for our fused kernels (`--dtype`;
+    /// output in f32).
     pub dtype: Dtype,
+    /// Element type of K and V for our fused kernels (`--kv-dtype`).
+    pub kv_dtype: Option<Dtype>,
 }
 
 static MODIFIERS: std::sync::Mutex<Modifiers> = std::sync::Mutex::new(Modifiers {
@@ -158,6 +189,7 @@ static MODIFIERS: std::sync::Mutex<Modifiers> = std::sync::Mutex::new(Modifiers 
     softcap: None,
     sinks: false,
     dtype: Dtype::F32,
+    kv_dtype: None,
 });
 
 /// The modifiers, for the argument parser to set.
@@ -183,6 +215,17 @@ pub fn modifiers_tag(imp: &str) -> String {
         (imp.starts_with("fused") && m.dtype == Dtype::Bf16, "+bf16"),
         (imp.starts_with("fused") && m.dtype == Dtype::F16, "+f16"),
     ] {
+        if on {
+            t.push_str(name);
+        }
+    }
+    let kv = m.kv_dtype.filter(|&kv| kv != m.dtype);
+    for (on, name) in [
+        (kv == Some(Dtype::F32), "+kv-f32"),
+        (kv == Some(Dtype::Bf16), "+kv-bf16"),
+        (kv == Some(Dtype::F16), "+kv-f16"),
+    ] {
+        let on = on && imp.starts_with("fused");
         if on {
             t.push_str(name);
         }
@@ -246,10 +289,10 @@ impl Impl for Fused {
     }
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
         let opts = options(case, isa).kernel(self.1);
-        match &inp.lowp {
-            Lowp::None => sdpa_in(case, [&inp.q[..], &inp.k[..], &inp.v[..]], out, &opts),
-            Lowp::Bf16([q, k, v]) => sdpa_in(case, [q, k, v], out, &opts),
-            Lowp::F16([q, k, v]) => sdpa_in(case, [q, k, v], out, &opts),
+        match &inp.typed[0] {
+            Typed::F32 => sdpa_in(case, &inp.q[..], inp, out, &opts),
+            Typed::Bf16(q) => sdpa_in(case, q, inp, out, &opts),
+            Typed::F16(q) => sdpa_in(case, q, inp, out, &opts),
         }
     }
 }
@@ -262,7 +305,7 @@ impl Impl for Unfused {
         self.0
     }
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
-        let (q, k, v, mut o) = views(case, [&inp.q[..], &inp.k[..], &inp.v[..]], out);
+        let (q, k, v, mut o) = views(case, &inp.q[..], [&inp.k[..], &inp.v[..]], out);
         sdpa_unfused_with(&q, &k, &v, &mut o, &options(case, isa), self.1)
             .expect("sdpa_unfused failed");
     }
@@ -325,8 +368,39 @@ impl Impl for Naive {
 /// on this shared host the bandwidth moves by 2x over minutes). Decode shapes only.
 struct ReadKv;
 
-/// Sum of `x` with 4 × 16 independent lanes, so the loop waits on loads, not on add latency.
+/// Sum of `x` with 4 × 16 independent lanes, so the loop waits on loads, not on add latency;
+/// compiled for the widest vectors the CPU has (the baseline x86-64 build only has 16-byte
+/// loads, which understate the read ceiling: see BENCHMARKS.md).
 fn stream_sum(x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F was just detected.
+            return unsafe { stream_sum_avx512(x) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was just detected.
+            return unsafe { stream_sum_avx2(x) };
+        }
+    }
+    stream_sum_lanes(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn stream_sum_avx512(x: &[f32]) -> f32 {
+    stream_sum_lanes(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_sum_avx2(x: &[f32]) -> f32 {
+    stream_sum_lanes(x)
+}
+
+/// [`stream_sum`]'s loop, vectorised by the compiler for the caller's features.
+#[inline(always)]
+fn stream_sum_lanes(x: &[f32]) -> f32 {
     let mut acc = [[0f32; 16]; 4];
     let mut blocks = x.chunks_exact(64);
     for blk in &mut blocks {

@@ -69,6 +69,9 @@ RUN
   --dtype T           f32 | bf16 | f16: Q, K, V of our fused kernels in T (output f32); the
                       inputs are rounded to T for every implementation, so all compute on the
                       same values (tags fused+bf16 / fused+f16)
+  --kv-dtype T        K and V of our fused kernels in T, Q staying in --dtype (a 16-bit KV
+                      cache with f32 queries: --kv-dtype bf16; tag fused+kv-bf16); KV GB/s
+                      then counts T's bytes
   --naive-max M       largest case for naive, in millions of multiply-adds (default 32)
   --peak GFLOPS       one thread's FMA peak, instead of the probe (scaled by the thread count)
 OUTPUT
@@ -104,6 +107,16 @@ struct Config {
     plot: Option<String>,
     from: Vec<String>,
     preset: Option<String>,
+}
+
+/// The element type named by the value of `opt`.
+fn dtype(opt: &str, t: &str) -> Result<attnkit::Dtype, String> {
+    match t {
+        "f32" => Ok(attnkit::Dtype::F32),
+        "bf16" => Ok(attnkit::Dtype::Bf16),
+        "f16" => Ok(attnkit::Dtype::F16),
+        t => Err(format!("{opt}: expected f32, bf16 or f16, got {t:?}")),
+    }
 }
 
 fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
@@ -221,13 +234,9 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
             "--alibi" => impls::modifiers_mut().alibi = true,
             "--softcap" => impls::modifiers_mut().softcap = Some(num(value(&mut it)?)? as f32),
             "--sinks" => impls::modifiers_mut().sinks = true,
-            "--dtype" => {
-                impls::modifiers_mut().dtype = match value(&mut it)?.as_str() {
-                    "f32" => attnkit::Dtype::F32,
-                    "bf16" => attnkit::Dtype::Bf16,
-                    "f16" => attnkit::Dtype::F16,
-                    t => return Err(format!("--dtype: expected f32, bf16 or f16, got {t:?}")),
-                }
+            "--dtype" => impls::modifiers_mut().dtype = dtype("--dtype", &value(&mut it)?)?,
+            "--kv-dtype" => {
+                impls::modifiers_mut().kv_dtype = Some(dtype("--kv-dtype", &value(&mut it)?)?)
             }
             "--cold" => cfg.cold = true,
             "--naive-max" => cfg.naive_max = num(value(&mut it)?)? * 1e6,

@@ -307,7 +307,7 @@ pub fn table(records: &[Record]) -> String {
                     fmt_time(r.median_s),
                     r.gflops,
                     pct,
-                    c.kv_bytes() / r.median_s / 1e9,
+                    kv_gbs(r),
                     vs
                 );
             }
@@ -321,18 +321,41 @@ fn suffix(imp: &str) -> &str {
     imp.find(['+', '@']).map_or("", |i| &imp[i..])
 }
 
-/// ` (87 % of read-kv)` when the same run measured `read-kv` on `r`'s case with the same page
-/// setting (`+thp` rows against `read-kv+thp`), else nothing.
+/// ` (87 % of read-kv)` (of its GB/s) when the same run measured `read-kv` on `r`'s case with
+/// the same page setting (`+thp` rows against `read-kv+thp`), else nothing.
 fn read_share(rows: &[&Record], r: &Record) -> String {
     if r.imp.starts_with("read-kv") {
         return String::new();
     }
-    let want = format!("read-kv{}", suffix(&r.imp));
+    // The same pages and forced ISA; the element types do not matter (shares are of GB/s).
+    let thp = if r.imp.contains("+thp") { "+thp" } else { "" };
+    let at = r.imp.find('@').map_or("", |i| &r.imp[i..]);
+    let want = format!("read-kv{thp}{at}");
     rows.iter()
         .find(|x| x.case == r.case && x.imp == want)
         .map_or(String::new(), |x| {
-            format!(" ({:.0} % of read-kv)", 100.0 * x.median_s / r.median_s)
+            format!(" ({:.0} % of read-kv)", 100.0 * kv_gbs(r) / kv_gbs(x))
         })
+}
+
+/// Bytes per K/V element of the implementation tagged `imp`: 2 for our kernels on a 16-bit
+/// cache (`+kv-bf16`, `+kv-f16`, or `+bf16` / `+f16` without a `+kv-` tag), else 4 (read-kv
+/// reads the f32 buffers).
+fn kv_elem_bytes(imp: &str) -> f64 {
+    if imp.contains("+kv-bf16") || imp.contains("+kv-f16") {
+        2.0
+    } else if imp.contains("+kv-f32") {
+        4.0
+    } else if imp.contains("+bf16") || imp.contains("+f16") {
+        2.0
+    } else {
+        4.0
+    }
+}
+
+/// GB/s of K and V bytes (in the implementation's element size) over the median time.
+fn kv_gbs(r: &Record) -> f64 {
+    r.case.kv_bytes(kv_elem_bytes(&r.imp)) / r.median_s / 1e9
 }
 
 /// Markdown: one table per thread count, one row per case, one column per implementation with
@@ -393,7 +416,7 @@ pub fn markdown(records: &[Record]) -> String {
                             s,
                             " {} · {:.1} GB/s{} |",
                             fmt_time(r.median_s),
-                            c.kv_bytes() / r.median_s / 1e9,
+                            kv_gbs(r),
                             read_share(&rows, r)
                         );
                     }
@@ -430,6 +453,28 @@ mod tests {
             gflops: 107.4,
             pct_peak: Some(51.2),
         }
+    }
+
+    /// K/V bytes follow the tag; the read share compares bandwidths, so a 16-bit row against the
+    /// f32 read-kv of the same case and pages is its GB/s over read-kv's.
+    #[test]
+    fn kv_bandwidth_counts_the_cache_type() {
+        assert_eq!(kv_elem_bytes("fused"), 4.0);
+        assert_eq!(kv_elem_bytes("fused+bf16"), 2.0);
+        assert_eq!(kv_elem_bytes("fused+alibi+kv-f16"), 2.0);
+        assert_eq!(kv_elem_bytes("fused+bf16+kv-f32"), 4.0);
+        assert_eq!(kv_elem_bytes("read-kv+thp"), 4.0);
+        let read = Record {
+            median_s: 2.0e-3,
+            ..rec("read-kv+thp", 1)
+        };
+        let half = Record {
+            median_s: 1.25e-3,
+            ..rec("fused+kv-bf16+thp", 1)
+        };
+        // 2 bytes in 1.25 ms against 4 bytes in 2 ms: 80 % of the read bandwidth.
+        assert_eq!(read_share(&[&read, &half], &half), " (80 % of read-kv)");
+        assert_eq!(read_share(&[&read], &rec("fused", 1)), "");
     }
 
     #[test]
