@@ -5,7 +5,8 @@ Prints attnbench's JSON-lines schema with impl="torch-sdpa":
   impl, b, h, hkv, lq, lk, d, causal, threads, isa, median_s, gflops, pct_peak
 under the same conventions: FLOPs = 4*B*H*Lq*Lk*D per call (halved for causal when Lq = Lk),
 median of >= --reps calls and >= --min-time seconds after one warm-up call, inputs uniform in
-[-1, 1) from a fixed seed, dense (B, H, L, D) float32 tensors, is_causal=True for causal
+[-1, 1) from a fixed seed, dense (B, H, L, D) tensors in --dtype (float32 by default; bf16 and
+f16 tag the impl torch-sdpa+bf16 / +f16 as attnbench does), is_causal=True for causal
 (top-left, as attnbench). pct_peak uses the FMA peak that attnbench measured, read from its
 JSON lines (--peak-from), or --peak (one thread's GFLOP/s, scaled by the thread count).
 
@@ -69,6 +70,8 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.3)
     ap.add_argument("--max-time", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"], help="Q, K, V element type")
+    ap.add_argument("--kv-dtype", choices=["f32", "bf16", "f16"], help="K, V element type; PyTorch needs one type for Q, K, V, so Q is cast to it too (tag +kv-T)")
     ap.add_argument("--cold", action="store_true", help="each timed call on its own copy of the inputs, >= 1 GiB of copies (at most 64), as attnbench --cold")
     ap.add_argument("--peak", type=float, help="one thread's FMA peak in GFLOP/s")
     ap.add_argument("--peak-from", action="append", default=[], help="attnbench JSON lines to read the peak from")
@@ -89,6 +92,10 @@ def main():
         cases = PRESETS[args.preset]
     peaks = peaks_from(args.peak_from)
     isa = torch.backends.cpu.get_cpu_capability().lower()
+    types = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+    kv_t = args.kv_dtype if args.kv_dtype and args.kv_dtype != args.dtype else None
+    dtype = types[kv_t or args.dtype]
+    name = args.name + ("" if args.dtype == "f32" else "+" + args.dtype) + (f"+kv-{kv_t}" if kv_t else "")
 
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -98,9 +105,10 @@ def main():
             q = torch.rand(b, h, lq, d, generator=g) * 2 - 1
             k = torch.rand(b, hkv, lk, d, generator=g) * 2 - 1
             v = torch.rand(b, hkv, lk, d, generator=g) * 2 - 1
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             copies = [(q, k, v)]
             if args.cold:
-                nbytes = 4 * (q.numel() + k.numel() + v.numel())
+                nbytes = q.element_size() * (q.numel() + k.numel() + v.numel())
                 n = int(min(64, max(1, (1 << 30) // nbytes)))
                 copies += [(q.clone(), k.clone(), v.clone()) for _ in range(n - 1)]
             kw = {"is_causal": causal}
@@ -120,7 +128,7 @@ def main():
             median = statistics.median(times)
             gflops = flops(b, h, lq, lk, d, causal) / median / 1e9
             rec = {
-                "impl": args.name,
+                "impl": name,
                 "b": b, "h": h, "hkv": hkv, "lq": lq, "lk": lk, "d": d,
                 "causal": causal,
                 "threads": threads,

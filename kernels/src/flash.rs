@@ -13,6 +13,11 @@
 //!
 //! Scores are kept in base-2 units: Q̂ is Q pre-multiplied by `scale·log2(e)`, so the exponent is
 //! a bare `exp2(s − m)` and the additive bias is multiplied by `log2(e)` once.
+//!
+//! The two products are a seam ([`Products`]): [`Widened`] is the f32 FMA tiles every ISA has
+//! (16-bit operands widened exactly); `x86_64::bf16` multiplies bf16 pairs (`vdpbf16ps`),
+//! applying the scale in f32 instead of pre-scaling Q. Masks, the softmax and the output are
+//! shared.
 
 use crate::elem::{get, Dtype, Elem};
 use crate::gemm::{Accum, Epilogue, Plain, Softcap, Tiles};

@@ -6,13 +6,13 @@
 //! * scores  `Sᵀ[nb × m] = K[nb × d] · Q̂ᵀ[d × m]` (Q̂ᵀ packed once per query block);
 //! * output  `Oᵀ[dv × m] += Vᵀ[dv × nb] · Pᵀ[nb × m]` (Vᵀ is V read with swapped strides).
 //!
-//! Register layout of one tile (AVX-512, MR = 6, NV = 4, W = 16): 24 accumulators `c[i][v]`
-//! (6 rows × 64 columns), 4 loads of B per step of the reduction and one broadcast of A:
+//! Register layout of one tile (AVX-512, MR = 8, NV = 3, W = 16): 24 accumulators `c[i][v]`
+//! (8 rows × 48 columns), 3 loads of B per step of the reduction and one broadcast of A:
 //! ```text
-//!            b0    b1    b2    b3        <- B[p, 0..64] (4 zmm)
-//!   a0 ->  c00   c01   c02   c03
-//!   ...                                  (6 rows, A[i, p] broadcast)
-//!   a5 ->  c50   c51   c52   c53
+//!            b0    b1    b2          <- B[p, 0..48] (3 zmm)
+//!   a0 ->  c00   c01   c02
+//!   ...                              (8 rows, A[i, p] broadcast)
+//!   a7 ->  c70   c71   c72
 //! ```
 //! AVX2 and the portable path use MR = 6 / 4, NV = 2 (12 / 8 accumulators of 16 ymm).
 
@@ -249,8 +249,9 @@ unsafe fn panel<S: SimdDiv, M: Mac<S>, F: Epilogue, const MR: usize, const NV: u
 }
 
 /// `C[m × nvec·W] (+)= A[m × kc] · B[kc × nvec·W]`, covered by NV-wide column panels. A is read by
-/// broadcast at `a[i·rsa + p·csa]` (any strides: K or Vᵀ in place); B and C are row-major. A and
-/// B may be any [`Elem`] (widened as they are read); C is f32.
+/// broadcast at `a[i·rsa + p·csa]` (any strides: K or Vᵀ in place); B and C are row-major. What
+/// A and B hold and how a step multiplies them is `M` ([`Fma`]: any [`Elem`], widened as read);
+/// C is f32.
 ///
 /// # Safety
 /// As [`tile`], for all `m` rows and `nvec·W` columns; `NV ≤ 4`, `MR ≤ 8`.
