@@ -119,24 +119,18 @@ struct Layout {
 impl Layout {
     fn new(m: usize, d: usize, dv: usize, ops: Operands) -> Self {
         let mp = round_up(m, 16);
-        let kb = key_block(d);
-        let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
-        let widened = [
-            d.saturating_mul(mp),
-            wide(ops.kv, d.saturating_mul(kb)),
-            wide(ops.kv, dv.saturating_mul(kb)),
-            wide(ops.q, m.saturating_mul(d)),
-        ];
-        let pairs = if ops.q == Dtype::Bf16 && ops.kv == Dtype::Bf16 {
+        // Enough for every ISA: the pair buffers wherever some ISA would run the pair path.
+        let pairs = crate::flash_path(crate::Isa::Avx512Bf16, ops.q, ops.kv, d);
+        let pairs = if pairs == crate::FlashPath::Bf16Pairs {
             PairLens::new(mp, d, dv).total()
         } else {
             0
         };
         Layout {
-            st: kb * mp,
+            st: key_block(d) * mp,
             ot: dv.saturating_mul(mp),
             row: mp,
-            widened: widened.into_iter().fold(0, usize::saturating_add),
+            widened: WideLens::new(m, mp, d, dv, ops).total(),
             pairs,
         }
     }
@@ -151,6 +145,35 @@ impl Layout {
         ]
         .into_iter()
         .fold(0, usize::saturating_add)
+    }
+}
+
+/// Buffer lengths of the widening path ([`Widened`]), in floats: Q̂ᵀ (`d × mp`), the widened K
+/// and V key blocks and the widened Q (zero for f32 operands, which are read in place).
+/// Saturating, so an absurd shape asks for an allocation that fails.
+struct WideLens {
+    qt: usize,
+    kw: usize,
+    vw: usize,
+    qw: usize,
+}
+
+impl WideLens {
+    fn new(m: usize, mp: usize, d: usize, dv: usize, ops: Operands) -> Self {
+        let kb = key_block(d);
+        let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
+        WideLens {
+            qt: d.saturating_mul(mp),
+            kw: wide(ops.kv, d.saturating_mul(kb)),
+            vw: wide(ops.kv, dv.saturating_mul(kb)),
+            qw: wide(ops.q, m.saturating_mul(d)),
+        }
+    }
+
+    fn total(&self) -> usize {
+        [self.qt, self.kw, self.vw, self.qw]
+            .into_iter()
+            .fold(0, usize::saturating_add)
     }
 }
 
@@ -359,15 +382,13 @@ pub(crate) struct Widened<'s> {
 impl<'s> Widened<'s> {
     /// The buffers from `rest`, the scratch past the shared state.
     fn new(a: &FlashArgs, ops: Operands, mp: usize, rest: &'s mut [f32]) -> Self {
-        let (d, dv, nb_max) = (a.d, a.dv, key_block(a.d));
-        let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
-        // Plain products: the scratch holds them, so they do not overflow.
-        let (qt, rest) = rest.split_at_mut(d * mp);
-        let (kw, rest) = rest.split_at_mut(wide(ops.kv, nb_max * d));
-        let (vw, rest) = rest.split_at_mut(wide(ops.kv, nb_max * dv));
         // 16-bit Q is widened once per call, for the shuffle transpose (element by element, it
         // cost f16 inputs 10-15 % of small calls).
-        let qw = &mut rest[..wide(ops.q, a.m * d)];
+        let lens = WideLens::new(a.m, mp, a.d, a.dv, ops);
+        let (qt, rest) = rest.split_at_mut(lens.qt);
+        let (kw, rest) = rest.split_at_mut(lens.kw);
+        let (vw, rest) = rest.split_at_mut(lens.vw);
+        let qw = &mut rest[..lens.qw];
         Widened {
             ops,
             qt,

@@ -241,6 +241,7 @@ fn decode_case<E: Operand>(
     };
     let got = decode(generic, walk, &q, rows, &k, &v, ext);
     // The compiled instance: f32 queries (the widened ones) over K and V of `E`.
+    // SAFETY: as the closures above (`decode` passes the same extents; the ISA is supported).
     let instance = |a: &DecodeArgs<f32, E>, p: *mut f32, ldp: usize, sc: &mut [f32]| unsafe {
         E::decode_partial(isa, a, p, ldp, sc)
     };
