@@ -7,7 +7,7 @@
 //! advice needs: see `pages.rs`).
 
 use crate::error::{AttnError, Result};
-use attnkit_kernels::Elem;
+use attnkit_kernels::Stored;
 use std::alloc::{alloc_zeroed, Layout};
 use std::ptr::NonNull;
 
@@ -27,9 +27,9 @@ pub(crate) fn try_zeros<T: Zeroable>(arg: &'static str, n: usize) -> Result<Vec<
     unsafe { zeroed_vec(arg, n) }
 }
 
-/// [`try_zeros`] of an operand element type (all-zero bits are +0.0 in each; see [`Elem`]).
-pub(crate) fn try_zeros_elem<E: Elem>(arg: &'static str, n: usize) -> Result<Vec<E>> {
-    // SAFETY: `Elem` types are f32, bf16 and f16, for which all-zero bits are +0.0.
+/// [`try_zeros`] of a storage element type (all-zero bits are zero in each; see [`Stored`]).
+pub(crate) fn try_zeros_elem<E: Stored>(arg: &'static str, n: usize) -> Result<Vec<E>> {
+    // SAFETY: `Stored` types are f32, bf16, f16 and i8, for which all-zero bits are zero.
     unsafe { zeroed_vec(arg, n) }
 }
 

@@ -150,6 +150,7 @@ fn task<Q: Elem, KV: Operand, O: Elem>(
         scratch.split_at_mut(n)
     };
     let nrows = g * s.lq;
+    let (k_scale, v_scale) = p.scales_at(b, hk);
     let j_begin = chunk * clen;
     let j_end = (j_begin + clen).min(s.lk);
     for r0 in (0..nrows).step_by(rows.len()) {
@@ -185,6 +186,8 @@ fn task<Q: Elem, KV: Operand, O: Elem>(
             // SAFETY: as above.
             v: unsafe { p.v.add(off(p.vs, b, hk, 0)) },
             ldv: p.vs[2],
+            k_scale,
+            v_scale,
             j_begin,
             j_end,
             scale: p.scale,

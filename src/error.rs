@@ -67,6 +67,18 @@ pub enum AttnError {
         /// Tokens it can hold.
         capacity: usize,
     },
+    /// A value an int8 KV cache cannot quantise (NaN or infinite): the row's scale would not be
+    /// finite. The append is refused whole.
+    NonFinite {
+        /// `"k"` or `"v"`.
+        arg: &'static str,
+        /// Batch index.
+        batch: usize,
+        /// KV head.
+        head: usize,
+        /// Token within the append.
+        token: usize,
+    },
     /// A range along one axis of a view reaches past the axis.
     Range {
         /// The argument (`"rows"`, …).
@@ -175,6 +187,10 @@ impl fmt::Display for AttnError {
             AttnError::Capacity { batch, len, append, capacity } => write!(
                 f,
                 "KV cache sequence {batch} holds {len} tokens; appending {append} exceeds its capacity {capacity}"
+            ),
+            AttnError::NonFinite { arg, batch, head, token } => write!(
+                f,
+                "`{arg}`: row (batch {batch}, head {head}, token {token}) holds NaN or infinity, which int8 cannot store"
             ),
             AttnError::Range { arg, dim, start, end, size } => {
                 write!(f, "`{arg}`: {start}..{end} is not inside {dim} = {size}")

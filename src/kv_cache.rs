@@ -1,13 +1,15 @@
 //! A key/value cache for incremental decoding, laid out for the decode kernel: keys
 //! `(B, Hkv, capacity, D)` and values `(B, Hkv, capacity, Dv)`, so each (batch, KV head) streams
-//! its rows contiguously, stored as f32, bf16 or f16 (half the bytes per token to stream).
+//! its rows contiguously, stored as f32, bf16, f16 (half the bytes per token to stream) or int8
+//! with an f32 scale per (token, head) row (a quarter, plus 4 bytes a row).
 
 use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
 use crate::options::{Causal, SdpaOptions};
 use crate::pages::AlignedBuf;
-use crate::sdpa::sdpa;
+use crate::sdpa::sdpa_scaled;
 use crate::view::{check_len, Tensor, TensorMut};
+use crate::Extras;
 use attnkit_kernels::{Dtype, Elem, Operand};
 
 /// One layer's cache. Capacity is fixed at construction: appending past it is an error, never a
@@ -15,11 +17,21 @@ use attnkit_kernels::{Dtype, Elem, Operand};
 /// on a cache line, and advised for transparent huge pages ([`crate::AlignedBuf`]) before first
 /// use (a clone copies into ordinary pages).
 ///
-/// The element type `E` is the storage: `KvCache` (f32, [`KvCache::new`]) or
-/// `KvCache::<bf16>::new_of(…)` / `f16`. [`append`](KvCache::append) takes keys and values of
-/// any element type and rounds them to `E` (round to nearest even); the decode kernel widens
-/// them back to f32 as it streams them and computes in f32, so a 16-bit cache's attention
-/// equals the f32 attention of the stored (rounded) values.
+/// The element type `E` is the storage: `KvCache` (f32, [`KvCache::new`]),
+/// `KvCache::<bf16>::new_of(…)` / `f16`, or `KvCache::<i8>::new_of(…)`.
+/// [`append`](KvCache::append) takes keys and values of any element type and rounds them to
+/// `E` (round to nearest even); the kernels widen them back to f32 as they stream them and
+/// compute in f32, so a 16-bit cache's attention equals the f32 attention of the stored
+/// (rounded) values.
+///
+/// **int8.** Each appended row (one token of one KV head, keys and values apart) is quantised
+/// symmetrically with its own f32 scale, `scale = max|x| / 127`, `q = round(x / scale)` (see
+/// [`Stored::encode`](crate::Stored::encode)); the scales live beside the data
+/// ([`key_scales`](KvCache::key_scales)). Attention equals the f32 attention of the
+/// dequantised values `scale·q` (the kernels apply the scales in f32 and add no error of their
+/// own); the quantisation error itself is measured in BENCHMARKS.md. A row holding NaN or an
+/// infinity has no finite scale: the append is refused ([`AttnError::NonFinite`]), nothing is
+/// written. The float caches store such values as they are.
 #[derive(Clone, Debug)]
 pub struct KvCache<E: Operand = f32> {
     b: usize,
@@ -32,6 +44,9 @@ pub struct KvCache<E: Operand = f32> {
     vs: [usize; 3],
     k: AlignedBuf<E>,
     v: AlignedBuf<E>,
+    /// int8 only (else empty): the row scales of `k` and `v`, `(B, Hkv, capacity)` dense.
+    kscale: Vec<f32>,
+    vscale: Vec<f32>,
     lens: Vec<usize>,
 }
 
@@ -74,6 +89,13 @@ impl<E: Operand> KvCache<E> {
             prod(&[b, hkv, capacity, dv])?,
         );
         let lens = try_zeros::<usize>("B", b)?;
+        let rows = if E::DTYPE == Dtype::I8 {
+            prod(&[b, hkv, capacity])?
+        } else {
+            0
+        };
+        let kscale = try_zeros::<f32>(arg, rows)?;
+        let vscale = try_zeros::<f32>(arg, rows)?;
         // Decode streams the whole cache per token: ask for huge pages, and start on a cache
         // line (see `pages.rs`).
         let k = AlignedBuf::try_zeroed_of(klen, true).map_err(|e| rename(e, arg))?;
@@ -88,6 +110,8 @@ impl<E: Operand> KvCache<E> {
             vs,
             k,
             v,
+            kscale,
+            vscale,
             lens,
         })
     }
@@ -108,13 +132,14 @@ impl<E: Operand> KvCache<E> {
     }
 
     /// Appends `T` new tokens to every sequence: `k (B, Hkv, T, D)`, `v (B, Hkv, T, Dv)` in any
-    /// layout and element type, rounded to the cache's (exact when they are the same). Nothing
-    /// is written unless every sequence has room. Token `t` of a longer projection `x`:
-    /// `x.rows(t..t + 1)?` ([`Tensor::rows`]).
+    /// layout and element type, rounded (or, int8, quantised) to the cache's (exact when they
+    /// are the same). Nothing is written unless the whole append is accepted. Token `t` of a
+    /// longer projection `x`: `x.rows(t..t + 1)?` ([`Tensor::rows`]).
     ///
     /// # Errors
     /// A shape mismatch naming `k`/`v` and the dimension; [`AttnError::Capacity`] if a sequence
-    /// would exceed the capacity.
+    /// would exceed the capacity; for an int8 cache, [`AttnError::NonFinite`] naming the first
+    /// row that holds NaN or an infinity.
     pub fn append<A: Elem>(&mut self, k: &Tensor<A>, v: &Tensor<A>) -> Result<()> {
         let t = k.shape[2];
         for (arg, x, d) in [("k", k, self.d), ("v", v, self.dv)] {
@@ -146,20 +171,37 @@ impl<E: Operand> KvCache<E> {
             });
         }
         // Empty rows have nothing to copy (and an empty view's strides may point anywhere).
-        for (src, dst, ds, w) in [
-            (k, &mut self.k, self.ks, self.d),
-            (v, &mut self.v, self.vs, self.dv),
+        fn row<'a, A>(x: &Tensor<'a, A>, w: usize, b: usize, h: usize, i: usize) -> &'a [A] {
+            let so = b * x.strides[0] + h * x.strides[1] + i * x.strides[2];
+            &x.data[so..so + w]
+        }
+        if E::DTYPE == Dtype::I8 {
+            for (arg, x, w) in [("k", k, self.d), ("v", v, self.dv)] {
+                for (b, h, i) in rows(self.b, self.hkv, t).filter(|_| w > 0) {
+                    if row(x, w, b, h, i).iter().any(|e| !e.to_f32().is_finite()) {
+                        return Err(AttnError::NonFinite {
+                            arg,
+                            batch: b,
+                            head: h,
+                            token: i,
+                        });
+                    }
+                }
+            }
+        }
+        for (src, dst, scales, ds, w) in [
+            (k, &mut self.k, &mut self.kscale, self.ks, self.d),
+            (v, &mut self.v, &mut self.vscale, self.vs, self.dv),
         ] {
             if w == 0 {
                 continue;
             }
-            for b in 0..self.b {
-                for h in 0..self.hkv {
-                    for i in 0..t {
-                        let o = b * ds[0] + h * ds[1] + (self.lens[b] + i) * ds[2];
-                        let so = b * src.strides[0] + h * src.strides[1] + i * src.strides[2];
-                        store(&mut dst[o..o + w], &src.data[so..so + w]);
-                    }
+            for (b, h, i) in rows(self.b, self.hkv, t) {
+                let tok = self.lens[b] + i;
+                let o = b * ds[0] + h * ds[1] + tok * ds[2];
+                let scale = E::encode(row(src, w, b, h, i), &mut dst[o..o + w]);
+                if let Some(s) = scales.get_mut((b * self.hkv + h) * self.cap + tok) {
+                    *s = scale;
                 }
             }
         }
@@ -213,6 +255,18 @@ impl<E: Operand> KvCache<E> {
         Tensor::strided(&self.v, [self.b, self.hkv, l, self.dv], self.vs)
     }
 
+    /// An int8 cache's key scales, `(B, Hkv, capacity)` dense: key row `(b, h, j)` is
+    /// `key_scales()[(b·Hkv + h)·capacity + j]` times its int8 values in [`keys`](Self::keys).
+    /// Empty for the float caches.
+    pub fn key_scales(&self) -> &[f32] {
+        &self.kscale
+    }
+
+    /// The value scales, as [`key_scales`](Self::key_scales).
+    pub fn value_scales(&self) -> &[f32] {
+        &self.vscale
+    }
+
     fn max_len(&self) -> usize {
         self.lens.iter().copied().max().unwrap_or(0)
     }
@@ -249,13 +303,25 @@ impl<E: Operand> KvCache<E> {
             key_lengths: Some(&self.lens),
             ..*opts
         };
-        sdpa(q, &self.keys(), &self.values(), out, &opts)
+        let (k, v) = (self.keys(), self.values());
+        let (ks, vs) = (self.key_scales_view(), self.value_scales_view());
+        let scales = (E::DTYPE == Dtype::I8).then_some([&ks, &vs]);
+        sdpa_scaled(q, &k, &v, scales, out, &opts, Extras::default())
+    }
+
+    /// The scales as `(B, Hkv, L, 1)` views beside [`keys`](Self::keys) / `values`.
+    fn key_scales_view(&self) -> Tensor<'_, f32> {
+        let shape = [self.b, self.hkv, self.max_len(), 1];
+        Tensor::strided(&self.kscale, shape, [self.hkv * self.cap, self.cap, 1])
+    }
+
+    fn value_scales_view(&self) -> Tensor<'_, f32> {
+        let shape = [self.b, self.hkv, self.max_len(), 1];
+        Tensor::strided(&self.vscale, shape, [self.hkv * self.cap, self.cap, 1])
     }
 }
 
-/// `src` rounded to `E` into `dst` (a copy when the types agree).
-fn store<A: Elem, E: Elem>(dst: &mut [E], src: &[A]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = E::from_f32(s.to_f32());
-    }
+/// Every (batch, KV head, token) row of a `t`-token append to `nb` sequences of `nh` heads.
+fn rows(nb: usize, nh: usize, t: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..nb).flat_map(move |b| (0..nh).flat_map(move |h| (0..t).map(move |i| (b, h, i))))
 }

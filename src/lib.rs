@@ -29,7 +29,7 @@ mod sdpa;
 pub mod unfused;
 mod view;
 
-pub use attnkit_kernels::{bf16, f16, Dtype, Elem, Isa, IsaError, Operand};
+pub use attnkit_kernels::{bf16, f16, Dtype, Elem, Isa, IsaError, Operand, Stored};
 pub use error::{AttnError, Result};
 pub use heads::{merge_heads, split_heads};
 pub use kv_cache::KvCache;
@@ -42,7 +42,7 @@ pub use merge::{merge, Partial};
 pub use options::{alibi_slopes, AttnMask, Causal, Extras, Kernel, MaskRef, Par, SdpaOptions};
 pub use pages::{advise_huge_pages, AlignedBuf};
 pub use plan::choose_kernel;
-pub use sdpa::{sdpa, sdpa_ext, sdpa_vec};
+pub use sdpa::{sdpa, sdpa_ext, sdpa_int8, sdpa_vec};
 pub use view::{Layout, Tensor, TensorMut};
 
 /// The raw-slice kernel crate, re-exported for benchmarks and advanced use.

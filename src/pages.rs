@@ -12,7 +12,7 @@
 
 use crate::alloc::try_zeros_elem;
 use crate::error::{AttnError, Result};
-use attnkit_kernels::Elem;
+use attnkit_kernels::Stored;
 
 /// Asks the kernel to back `buf` with transparent huge pages (Linux; elsewhere a no-op).
 ///
@@ -28,7 +28,7 @@ use attnkit_kernels::Elem;
 /// let advised = attnkit::advise_huge_pages(&mut keys);
 /// # let _ = advised;
 /// ```
-pub fn advise_huge_pages<E: Elem>(buf: &mut [E]) -> bool {
+pub fn advise_huge_pages<E: Stored>(buf: &mut [E]) -> bool {
     // Miri cannot call `madvise`; the advice never changes what the program computes.
     #[cfg(all(target_os = "linux", not(miri)))]
     {
@@ -95,7 +95,7 @@ impl AlignedBuf {
     }
 }
 
-impl<E: Elem> AlignedBuf<E> {
+impl<E: Stored> AlignedBuf<E> {
     /// [`AlignedBuf::zeroed`] of any element type: `AlignedBuf::<bf16>::zeroed_of(n, true)`.
     ///
     /// # Panics
@@ -137,7 +137,7 @@ impl<E> core::ops::DerefMut for AlignedBuf<E> {
     }
 }
 
-impl<E: Elem> Clone for AlignedBuf<E> {
+impl<E: Stored> Clone for AlignedBuf<E> {
     /// A copy on a cache line of its own (ordinary pages).
     fn clone(&self) -> Self {
         let mut c = AlignedBuf::zeroed_of(self.len, false);

@@ -7,7 +7,7 @@ use crate::error::{AttnError, Result};
 use crate::exec::resolve_isa;
 use crate::options::{Causal, Extras, Kernel, MaskRef, SdpaOptions};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::{visible_range, Alibi, Elem, Isa, ScoreSpec};
+use attnkit_kernels::{visible_range, Alibi, Dtype, Elem, Isa, ScoreSpec, Stored};
 
 /// Whether [`Kernel::Auto`] picks the decode kernel for `lq` queries against `lk` keys. The
 /// decode kernel reads K and V once per GQA group but pays a reduction per (row, key); the tiled
@@ -41,6 +41,40 @@ pub(crate) struct MaskPlan<T> {
     pub(crate) strides: [usize; 3],
 }
 
+/// The validated row scales of `i8` keys and values: row `j` of KV head `h` of batch `b` is
+/// `k[b·ks[0] + h·ks[1] + j]` times its int8 values (V likewise).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ScalesPlan {
+    k: *const f32,
+    ks: [usize; 2],
+    v: *const f32,
+    vs: [usize; 2],
+}
+
+/// Checks the scales `x` of `arg`'s rows against its shape `(B, Hkv, Lk, ·)`: shape
+/// `(B, Hkv, Lk, 1)`, covered by the buffer, contiguous along Lk.
+fn scales_plan(
+    arg: &'static str,
+    x: &Tensor<f32>,
+    rows: [usize; 4],
+) -> Result<(*const f32, [usize; 2])> {
+    for (i, dim) in ["B", "Hkv", "Lk"].into_iter().enumerate() {
+        mismatch(arg, dim, rows[i], x.shape[i])?;
+    }
+    mismatch(arg, "1", 1, x.shape[3])?;
+    check_len(arg, x.data.len(), x.shape, x.strides)?;
+    if x.shape[2] > 1 && x.strides[2] != 1 {
+        return Err(AttnError::BadStride {
+            arg,
+            dim: "Lk",
+            stride: x.strides[2],
+            min: 1,
+        });
+    }
+    let st = used_strides(1, x.shape, x.strides);
+    Ok((x.data.as_ptr(), [st[0], st[1]]))
+}
+
 /// Everything validated, as raw parts the tasks can share: Q of element type `Q`, K and V of
 /// `KV`, the output of `O`.
 pub(crate) struct Plan<Q = f32, KV = f32, O = f32> {
@@ -56,6 +90,8 @@ pub(crate) struct Plan<Q = f32, KV = f32, O = f32> {
     pub(crate) ks: [usize; 3],
     pub(crate) v: *const KV,
     pub(crate) vs: [usize; 3],
+    /// Present exactly when K and V are `i8`.
+    pub(crate) scales: Option<ScalesPlan>,
     pub(crate) o: *mut O,
     pub(crate) os: [usize; 3],
     pub(crate) bias: Option<MaskPlan<f32>>,
@@ -72,7 +108,7 @@ pub(crate) struct Plan<Q = f32, KV = f32, O = f32> {
 // SAFETY: the pointers come from borrows that outlive the `Plan` (it lives inside `sdpa_ext`),
 // inputs are only read, and every task writes a disjoint set of output rows (checked by
 // `check_disjoint` for `out`; `lse` and `weights` are dense and indexed by the task's rows).
-unsafe impl<Q: Elem, KV: Elem, O: Elem> Sync for Plan<Q, KV, O> {}
+unsafe impl<Q: Elem, KV: Stored, O: Elem> Sync for Plan<Q, KV, O> {}
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Shape {
@@ -144,8 +180,9 @@ pub(crate) fn off(st: [usize; 3], b: usize, h: usize, r: usize) -> usize {
     b * st[0] + h * st[1] + r * st[2]
 }
 
-impl<Q: Elem, KV: Elem, O: Elem> Plan<Q, KV, O> {
-    /// Validates everything and binds `out` as the destination.
+impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
+    /// Validates everything and binds `out` as the destination. `scales`: the row scales of
+    /// `i8` K and V, `(B, Hkv, Lk, 1)` each (required for `i8`, ignored otherwise).
     pub(crate) fn new(
         q: &Tensor<Q>,
         k: &Tensor<KV>,
@@ -153,8 +190,18 @@ impl<Q: Elem, KV: Elem, O: Elem> Plan<Q, KV, O> {
         out: &mut TensorMut<O>,
         opts: &SdpaOptions,
         extras: &mut Extras,
+        scales: Option<[&Tensor<f32>; 2]>,
     ) -> Result<Self> {
         let mut plan = Plan::validate(q, k, v, out.shape, opts, extras)?;
+        if KV::DTYPE == Dtype::I8 {
+            let [ksc, vsc] = scales.ok_or(AttnError::BadParam {
+                arg: "k",
+                reason: "int8 keys and values need their row scales (sdpa_int8)",
+            })?;
+            let (k, ks) = scales_plan("k_scales", ksc, k.shape)?;
+            let (v, vs) = scales_plan("v_scales", vsc, v.shape)?;
+            plan.scales = Some(ScalesPlan { k, ks, v, vs });
+        }
         check_len("out", out.data.len(), out.shape, out.strides)?;
         check_disjoint("out", out.shape, out.strides)?;
         plan.o = out.data.as_mut_ptr();
@@ -317,6 +364,7 @@ impl<Q: Elem, KV: Elem, O: Elem> Plan<Q, KV, O> {
             ks: used_strides(d, k.shape, k.strides),
             v: v.data.as_ptr(),
             vs: used_strides(dv, v.shape, v.strides),
+            scales: None,
             o: core::ptr::null_mut(),
             os: [0; 3],
             bias,
@@ -328,6 +376,20 @@ impl<Q: Elem, KV: Elem, O: Elem> Plan<Q, KV, O> {
             lse,
             weights,
         })
+    }
+
+    /// The K and V row scales of KV head `hk` of batch `b` (null unless K and V are `i8`).
+    pub(crate) fn scales_at(&self, b: usize, hk: usize) -> (*const f32, *const f32) {
+        match self.scales {
+            // SAFETY: (offsets) the scales cover every (batch, KV head) of the views.
+            Some(s) => unsafe {
+                (
+                    s.k.add(b * s.ks[0] + hk * s.ks[1]),
+                    s.v.add(b * s.vs[0] + hk * s.vs[1]),
+                )
+            },
+            None => (core::ptr::null(), core::ptr::null()),
+        }
     }
 
     /// Multiply-adds of the whole call (for the sequential/parallel decision).

@@ -7,7 +7,7 @@ use crate::options::Par;
 use crate::plan::{off, Plan};
 use crate::scratch::{run_tasks_scratch, try_with_scratch};
 use crate::view::store_rounded;
-use attnkit_kernels::{flash_forward_as, scratch_len_as, Dtype, Elem, FlashArgs};
+use attnkit_kernels::{flash_forward_as, scratch_len_as, Dtype, Elem, FlashArgs, Stored};
 
 /// Query rows per task: enough to amortise packing each K/V block, few enough that long
 /// sequences give every core many tasks. Depends on the shape only, never on the thread count,
@@ -46,7 +46,7 @@ fn q_blocks<Q, KV, O>(p: &Plan<Q, KV, O>) -> usize {
 /// # Errors
 /// [`AttnError::Alloc`](crate::AttnError) if the kernel's scratch cannot be allocated (then
 /// nothing was written).
-pub(crate) fn run<Q: Elem, KV: Elem, O: Elem>(p: &Plan<Q, KV, O>, par: Par) -> Result<()> {
+pub(crate) fn run<Q: Elem, KV: Stored, O: Elem>(p: &Plan<Q, KV, O>, par: Par) -> Result<()> {
     let s = &p.shape;
     let (nqb, group) = (q_blocks(p), s.hq / s.hkv);
     let n = s.b * s.hq * nqb;
@@ -77,7 +77,7 @@ pub(crate) fn run<Q: Elem, KV: Elem, O: Elem>(p: &Plan<Q, KV, O>, par: Par) -> R
 
 /// Scratch floats of a task of `m` rows: the kernel's, plus `m·Dv` for an output not in f32
 /// (written by the kernel into f32 scratch and rounded from there).
-fn task_scratch_len<Q: Elem, KV: Elem, O: Elem>(p: &Plan<Q, KV, O>, m: usize) -> usize {
+fn task_scratch_len<Q: Elem, KV: Stored, O: Elem>(p: &Plan<Q, KV, O>, m: usize) -> usize {
     let s = &p.shape;
     let staged = if O::DTYPE == Dtype::F32 {
         0
@@ -89,7 +89,7 @@ fn task_scratch_len<Q: Elem, KV: Elem, O: Elem>(p: &Plan<Q, KV, O>, m: usize) ->
 
 /// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of
 /// at least [`task_scratch_len`] floats.
-fn task<Q: Elem, KV: Elem, O: Elem>(
+fn task<Q: Elem, KV: Stored, O: Elem>(
     p: &Plan<Q, KV, O>,
     b: usize,
     h: usize,
@@ -115,6 +115,7 @@ fn task<Q: Elem, KV: Elem, O: Elem>(
     } else {
         (staged.as_mut_ptr(), s.dv)
     };
+    let (k_scale, v_scale) = p.scales_at(b, hk);
     // SAFETY: (pointer offsets below) every offset addresses an element inside its buffer,
     // as validated by `check_len` / the dense-length checks in `Plan::new`.
     let args = unsafe {
@@ -131,6 +132,8 @@ fn task<Q: Elem, KV: Elem, O: Elem>(
             ldk: p.ks[2],
             v: p.v.add(off(p.vs, b, hk, 0)),
             ldv: p.vs[2],
+            k_scale,
+            v_scale,
             o,
             ldo,
             lse: if p.lse.is_null() {

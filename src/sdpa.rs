@@ -6,7 +6,7 @@ use crate::error::Result;
 use crate::options::{Extras, Kernel, Par, SdpaOptions};
 use crate::plan::Plan;
 use crate::view::{Tensor, TensorMut};
-use attnkit_kernels::{Elem, Operand};
+use attnkit_kernels::{Elem, Operand, Stored};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + mask)·V`, written into `out`.
 ///
@@ -95,9 +95,48 @@ pub fn sdpa_ext<Q: Elem, KV: Operand, O: Elem>(
     v: &Tensor<KV>,
     out: &mut TensorMut<O>,
     opts: &SdpaOptions,
+    extras: Extras,
+) -> Result<()> {
+    sdpa_scaled(q, k, v, None, out, opts, extras)
+}
+
+/// [`sdpa`] over int8 keys and values with an f32 scale per row: key row `(b, h, j)` is
+/// `k_scales(b, h, j, 0)·k(b, h, j, ·)`, values likewise — the layout of an int8
+/// [`KvCache`](crate::KvCache) (`KvCache::<i8>::attend` calls this), and of caches quantised
+/// per token and head elsewhere. `k (B, Hkv, Lk, D)`, `v (B, Hkv, Lk, Dv)`; `k_scales`,
+/// `v_scales` are `(B, Hkv, Lk, 1)` views, contiguous along `Lk`. The kernels widen each int8
+/// row, apply its scale in f32 and compute as [`sdpa`] does, so the result is the f32 attention
+/// of the dequantised values (within f32 rounding: the scale is applied to the row's dot
+/// product in decode, to the widened values in prefill). Non-finite scales propagate NaN to the
+/// rows that see them.
+///
+/// # Errors
+/// As [`sdpa`], plus scales whose shape differs from the rows' or whose buffer is too short
+/// (`k_scales`/`v_scales`), or that are not contiguous along `Lk`.
+pub fn sdpa_int8<Q: Elem, O: Elem>(
+    q: &Tensor<Q>,
+    k: &Tensor<i8>,
+    k_scales: &Tensor<f32>,
+    v: &Tensor<i8>,
+    v_scales: &Tensor<f32>,
+    out: &mut TensorMut<O>,
+    opts: &SdpaOptions,
+) -> Result<()> {
+    let scales = Some([k_scales, v_scales]);
+    sdpa_scaled(q, k, v, scales, out, opts, Extras::default())
+}
+
+/// [`sdpa_ext`] with the row scales `i8` K and V need.
+pub(crate) fn sdpa_scaled<Q: Elem, KV: Operand, O: Elem>(
+    q: &Tensor<Q>,
+    k: &Tensor<KV>,
+    v: &Tensor<KV>,
+    scales: Option<[&Tensor<f32>; 2]>,
+    out: &mut TensorMut<O>,
+    opts: &SdpaOptions,
     mut extras: Extras,
 ) -> Result<()> {
-    let plan = Plan::new(q, k, v, out, opts, &mut extras)?;
+    let plan = Plan::new(q, k, v, out, opts, &mut extras, scales)?;
     execute(&plan, opts.par)
 }
 
@@ -128,7 +167,7 @@ fn execute<Q: Elem, KV: Operand, O: Elem>(p: &Plan<Q, KV, O>, par: Par) -> Resul
 /// The logsumexp of rows with `D = Dv = 0` and no mask: every visible score is 0, so it is
 /// the log of the visible key count, found without walking the keys (the views are empty,
 /// so nothing else bounds `Lk`).
-fn run_lse_only<Q: Elem, KV: Elem, O: Elem>(p: &Plan<Q, KV, O>) {
+fn run_lse_only<Q: Elem, KV: Stored, O: Elem>(p: &Plan<Q, KV, O>) {
     let s = &p.shape;
     for b in 0..s.b {
         for h in 0..s.hq {

@@ -63,7 +63,7 @@ pub fn sdpa_unfused_with(
     opts: &SdpaOptions,
     backend: Backend,
 ) -> Result<()> {
-    let plan = Plan::new(q, k, v, out, opts, &mut Extras::default())?;
+    let plan = Plan::new(q, k, v, out, opts, &mut Extras::default(), None)?;
     let s = plan.shape;
     if s.lq == 0 || s.dv == 0 {
         return Ok(());

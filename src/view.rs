@@ -4,7 +4,7 @@
 //! kernel runs.
 
 use crate::error::{AttnError, Result};
-use attnkit_kernels::Elem;
+use attnkit_kernels::{Elem, Stored};
 use core::ops::Range;
 
 /// Memory order of a `(B, H, L, D)` tensor.
@@ -58,7 +58,7 @@ impl<E> Clone for Tensor<'_, E> {
 }
 impl<E> Copy for Tensor<'_, E> {}
 
-impl<'a, E: Elem> Tensor<'a, E> {
+impl<'a, E: Stored> Tensor<'a, E> {
     /// A dense tensor of logical shape `(B, H, L, D)` stored in `layout` order.
     pub fn new(data: &'a [E], shape: [usize; 4], layout: Layout) -> Self {
         Tensor {

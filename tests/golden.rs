@@ -1167,7 +1167,7 @@ fn abs_errs(got: impl Iterator<Item = f64>, want: &[f64]) -> (f64, f64) {
     (max, sum / want.len() as f64)
 }
 
-fn check_lowp_case<E: Operand>(name: &str, tag: &str, from_bits: fn(u16) -> E) {
+fn check_lowp_case<E: Operand + attnkit::Elem>(name: &str, tag: &str, from_bits: fn(u16) -> E) {
     let g = Golden::open(name);
     assert_eq!(g.meta.at("kind").str(), "sdpa_lowp", "{name}: kind");
     assert_eq!(g.param("input_dtype").str(), tag, "{name}: input dtype");

@@ -194,6 +194,8 @@ fn decode_kernel_with_empty_rows_returns() {
                     ldk: d,
                     v: k.as_ptr(),
                     ldv: dv,
+                    k_scale: std::ptr::null(),
+                    v_scale: std::ptr::null(),
                     j_begin: 0,
                     j_end: 64,
                     scale: 0.5,

@@ -28,7 +28,7 @@ fn widen<E: Elem>(x: &[E]) -> Vec<f32> {
 /// Fills a cache of `E` and an f32 cache with the same tokens: appended in f32 to the first
 /// (rounded there) and the rounded values to the second, in three appends, then sequence 1
 /// (if any) truncated so the lengths differ. Checks the stored values, then returns both.
-fn filled<E: Operand>(rng: &mut SmallRng, s: [usize; 6]) -> (KvCache<E>, KvCache) {
+fn filled<E: Operand + Elem>(rng: &mut SmallRng, s: [usize; 6]) -> (KvCache<E>, KvCache) {
     let [b, _, hkv, d, dv, cap] = s;
     let mut lowp = KvCache::<E>::new_of(b, hkv, cap, d, dv).unwrap();
     let mut f32c = KvCache::new(b, hkv, cap, d, dv).unwrap();
@@ -76,7 +76,7 @@ fn dense<E: Elem>(t: Tensor<E>) -> Vec<E> {
     out
 }
 
-fn case<E: Operand>(seed: u64) {
+fn case<E: Operand + Elem>(seed: u64) {
     let mut rng = SmallRng::seed_from_u64(seed);
     for s in SHAPES {
         let [b, hq, _, d, dv, _] = s;
@@ -175,7 +175,7 @@ fn case<E: Operand>(seed: u64) {
 /// both kernels): what the all-f32 call gives on the widened values, bitwise.
 #[test]
 fn mixed_query_and_cache_types_compute_on_widened_values() {
-    fn run<Q: Elem, KV: Operand>(rng: &mut SmallRng) {
+    fn run<Q: Elem, KV: Operand + Elem>(rng: &mut SmallRng) {
         let (b, hq, hkv, lq, lk, d) = (2, 4, 2, 5, 37, 24);
         let q: Vec<Q> = randn(rng, b * hq * lq * d, 1.0)
             .into_iter()

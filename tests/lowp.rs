@@ -78,7 +78,7 @@ impl Mods {
 
 const OPTION_SETS: usize = 6;
 
-fn check<E: Operand>(rng: &mut SmallRng, shape: [usize; 7]) {
+fn check<E: Operand + Elem>(rng: &mut SmallRng, shape: [usize; 7]) {
     let [b, hq, hkv, lq, lk, d, dv] = shape;
     let (q, qf) = values::<E>(rng, b * hq * lq * d);
     let (k, kf) = values::<E>(rng, b * hkv * lk * d);

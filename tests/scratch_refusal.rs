@@ -60,7 +60,7 @@ fn values<E: Elem>(n: usize) -> Vec<E> {
 /// `sdpa` on `hq` heads of one query row against `lk` keys, head dimension [`D`]: refused
 /// with `Alloc { arg: "scratch" }`, the output untouched; then the same call at `D = 64`
 /// succeeds on this thread.
-fn refused<E: Operand>(kernel: Kernel, par: Par, hq: usize, lk: usize) {
+fn refused<E: Operand + Elem>(kernel: Kernel, par: Par, hq: usize, lk: usize) {
     let (q, kv) = (values::<E>(hq * D), values::<E>(lk * D));
     let mut out = vec![7.0f32; hq * D];
     let opts = SdpaOptions::new().kernel(kernel).par(par);

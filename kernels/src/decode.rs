@@ -20,7 +20,7 @@
 //! key range, so a long cache can be cut into chunks processed in parallel and merged exactly
 //! ([`merge_partials`]).
 
-use crate::elem::{get, Elem};
+use crate::elem::{get, Dtype, Elem, Stored};
 use crate::score::ScoreSpec;
 use crate::simd::{aligned, exp2, Simd, SimdDiv, ALIGN_SLACK};
 
@@ -84,9 +84,9 @@ pub struct DecodeRow<Q: Elem = f32> {
 }
 
 /// A group of rows sharing K and V, and the key range `[j_begin, j_end)` to process. K and V are
-/// read as `KV` (any [`Elem`], widened to f32 on load).
+/// read as `KV` (any [`Stored`] type, widened to f32 on load; `i8` rows times their scales).
 #[derive(Clone, Copy, Debug)]
-pub struct DecodeArgs<'a, Q: Elem = f32, KV: Elem = f32> {
+pub struct DecodeArgs<'a, Q: Elem = f32, KV: Stored = f32> {
     /// The rows (at most [`DECODE_MAX_ROWS`]).
     pub rows: &'a [DecodeRow<Q>],
     /// Head dimension of Q and K.
@@ -101,6 +101,11 @@ pub struct DecodeArgs<'a, Q: Elem = f32, KV: Elem = f32> {
     pub v: *const KV,
     /// Row stride of V.
     pub ldv: usize,
+    /// `i8` K only: key row `j` is `k_scale[j]·K[j]` (read for keys `< j_end`). Unused (may be
+    /// null) for the float types.
+    pub k_scale: *const f32,
+    /// `i8` V only: value row `j` is `v_scale[j]·V[j]`, as `k_scale`.
+    pub v_scale: *const f32,
     /// First key of the range.
     pub j_begin: usize,
     /// End of the key range (exclusive).
@@ -138,7 +143,7 @@ struct Lines {
 
 impl Lines {
     #[inline(always)]
-    fn new<E: Elem>(p: *const E, ld: usize, n: usize, rows: usize) -> Self {
+    fn new<E: Stored>(p: *const E, ld: usize, n: usize, rows: usize) -> Self {
         let size = core::mem::size_of::<E>();
         Lines {
             p: p.cast(),
@@ -183,13 +188,14 @@ impl Lines {
 ///
 /// # Safety
 /// Pointers in `args` valid for the extents they describe (K/V rows `< j_end`, `d`/`dv` columns;
-/// bias/mask entries `< j_end`); `partial` writable at `r*ldp + [0, dv+2)` for each row;
-/// `scratch.len() ≥ decode_scratch_len(d, dv)`; the ISA of `S` is enabled.
+/// bias/mask entries `< j_end`; for `i8`, scales `< j_end`); `partial` writable at
+/// `r*ldp + [0, dv+2)` for each row; `scratch.len() ≥ decode_scratch_len(d, dv)`; the ISA of `S`
+/// is enabled.
 #[inline(always)]
 unsafe fn decode_rows<
     S: SimdDiv,
     Q: Elem,
-    KV: Elem,
+    KV: Stored,
     const R: usize,
     const KEYS: usize,
     const KM: bool,
@@ -270,6 +276,14 @@ unsafe fn decode_rows<
             if nk > 0 {
                 // Every P·V of the previous block is done: now the rescale may touch O.
                 softmax_block::<S, Q, R>(rows, jb, nk, scur, obuf, dvp, &mut st);
+                if KV::DTYPE == Dtype::I8 {
+                    // The sums are taken; P·V weighs each int8 value row by its scale.
+                    for r in 0..R {
+                        for (k, p) in scur[r * KB..r * KB + nk].iter_mut().enumerate() {
+                            *p *= *a.v_scale.add(jb + k);
+                        }
+                    }
+                }
                 if KM {
                     prev = Some((jb, nk));
                     cur ^= 1;
@@ -297,7 +311,14 @@ unsafe fn decode_rows<
 /// As [`decode_rows`]; `p` holds the block's weights (R rows of [`DECODE_KEY_BLOCK`]), `o` R
 /// rows of `dvp` floats.
 #[inline(always)]
-unsafe fn pv_block<S: Simd, Q: Elem, KV: Elem, const R: usize, const RG: usize, const NC: usize>(
+unsafe fn pv_block<
+    S: Simd,
+    Q: Elem,
+    KV: Stored,
+    const R: usize,
+    const RG: usize,
+    const NC: usize,
+>(
     a: &DecodeArgs<Q, KV>,
     jb: usize,
     k0: usize,
@@ -350,7 +371,7 @@ struct RowState<const R: usize> {
 unsafe fn scores<
     S: Simd,
     Q: Elem,
-    KV: Elem,
+    KV: Stored,
     const R: usize,
     const KEYS: usize,
     const KM: bool,
@@ -409,6 +430,9 @@ unsafe fn scores<
                     for p in dfull..d {
                         x += *q.add(r * dp + p) * get(kp.add(p));
                     }
+                    if KV::DTYPE == Dtype::I8 {
+                        x *= *a.k_scale.add(jb + jj + k);
+                    }
                     *s.add(r * KB + jj + k) = x;
                 }
             }
@@ -424,7 +448,7 @@ unsafe fn scores<
 /// # Safety
 /// `kp[k]` readable for `dfull` floats; `q` for R rows of stride `dp`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn dots_key_major<S: Simd, KV: Elem, const R: usize, const KEYS: usize>(
+unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>(
     kp: [*const KV; KEYS],
     q: *const f32,
     dp: usize,
@@ -454,7 +478,7 @@ unsafe fn dots_key_major<S: Simd, KV: Elem, const R: usize, const KEYS: usize>(
 /// # Safety
 /// As [`dots_key_major`].
 #[inline(always)]
-unsafe fn dots_chunk_major<S: Simd, KV: Elem, const R: usize, const KEYS: usize>(
+unsafe fn dots_chunk_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>(
     kp: [*const KV; KEYS],
     q: *const f32,
     dp: usize,
@@ -569,7 +593,7 @@ struct PvBlock<KV> {
 /// `blk` describes readable V rows; `p` readable for `G` rows of `nk` weights (stride
 /// [`DECODE_KEY_BLOCK`]); `o` writable for `G` rows of `dvp` floats; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn pv_rows<S: Simd, KV: Elem, const G: usize, const NC: usize>(
+unsafe fn pv_rows<S: Simd, KV: Stored, const G: usize, const NC: usize>(
     blk: &PvBlock<KV>,
     p: *const f32,
     o: *mut f32,
@@ -636,7 +660,7 @@ unsafe fn pv_rows<S: Simd, KV: Elem, const G: usize, const NC: usize>(
 /// # Safety
 /// As [`decode_rows`].
 #[inline(always)]
-pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Elem>(
+pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
     a: &DecodeArgs<Q, KV>,
     partial: *mut f32,
     ldp: usize,

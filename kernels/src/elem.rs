@@ -1,5 +1,10 @@
 //! Operand element types: how the kernels read Q, K and V.
 //!
+//! [`Stored`] is every type K and V can be read as: the floating-point [`Elem`]s and `i8`, the
+//! symmetric int8 of quantised caches, which carries a scale per key row beside the data (the
+//! kernels multiply it in; see `DecodeArgs::k_scale`). [`Elem`] is the floating-point subset,
+//! the types of queries, outputs and ordinary tensors.
+//!
 //! The kernels read their operands as any of these types and compute in f32: a widening load is
 //! the only place a type appears, so adding one adds its load here (and, where an ISA converts
 //! faster than the portable default, an override in that ISA's `Simd` impl; see
@@ -19,6 +24,8 @@ pub enum Dtype {
     Bf16,
     /// IEEE binary16.
     F16,
+    /// Symmetric int8 with an f32 scale per row (keys and values of a quantised cache only).
+    I8,
 }
 
 impl Dtype {
@@ -27,6 +34,7 @@ impl Dtype {
         match self {
             Dtype::F32 => 4,
             Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::I8 => 1,
         }
     }
 }
@@ -36,63 +44,127 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::bf16 {}
     impl Sealed for half::f16 {}
+    impl Sealed for i8 {}
 }
 
-/// An operand element type (`f32`, [`half::bf16`], [`half::f16`]). Sealed: every type has its
-/// loads in each ISA, so only this crate adds one. In each, all-zero bits are +0.0, so zeroed
-/// memory is a buffer of zeros of any of them (callers allocating zeroed buffers rely on it; a
-/// type added here must keep it).
-pub trait Elem: Copy + Send + Sync + core::fmt::Debug + 'static + sealed::Sealed {
+/// A type K and V can be stored in: the [`Elem`]s and `i8`. Sealed: every type has its loads in
+/// each ISA, so only this crate adds one. In each, all-zero bits are zero, so zeroed memory is a
+/// buffer of zeros of any of them (callers allocating zeroed buffers rely on it; a type added
+/// here must keep it).
+pub trait Stored: Copy + Send + Sync + core::fmt::Debug + 'static + sealed::Sealed {
     /// Which type this is; kernels branch on it at compile time (each instance sees a constant).
     const DTYPE: Dtype;
-    /// The value widened to f32 (exact for every type here).
+    /// The value widened to f32 (exact for every type here; for `i8` before its row's scale).
     fn to_f32(self) -> f32;
+    /// Writes the row `src` as this type and returns its scale: the floats round each value to
+    /// nearest even (scale 1); `i8` quantises symmetrically, `scale = max|x| / 127` and
+    /// `q = round(x / scale)` (ties to even, in [−127, 127]; an all-zero row has scale 0).
+    /// `src` must be finite for `i8` (the caller checks; otherwise the row is unspecified
+    /// but initialised). `dst.len() == src.len()`.
+    fn encode<A: Elem>(src: &[A], dst: &mut [Self]) -> f32;
+}
+
+/// A floating-point operand element type (`f32`, [`half::bf16`], [`half::f16`]): queries,
+/// outputs and tensors. All-zero bits are +0.0 (see [`Stored`]).
+pub trait Elem: Stored {
     /// The nearest value of this type (round to nearest even).
     fn from_f32(x: f32) -> Self;
 }
 
-impl Elem for f32 {
+impl Stored for f32 {
     const DTYPE: Dtype = Dtype::F32;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
     }
+    #[inline]
+    fn encode<A: Elem>(src: &[A], dst: &mut [Self]) -> f32 {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = Self::from_f32(s.to_f32());
+        }
+        1.0
+    }
+}
+
+impl Elem for f32 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         x
     }
 }
 
-impl Elem for bf16 {
+impl Stored for bf16 {
     const DTYPE: Dtype = Dtype::Bf16;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits(u32::from(self.to_bits()) << 16)
     }
+    #[inline]
+    fn encode<A: Elem>(src: &[A], dst: &mut [Self]) -> f32 {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = Self::from_f32(s.to_f32());
+        }
+        1.0
+    }
+}
+
+impl Elem for bf16 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
     }
 }
 
-impl Elem for f16 {
+impl Stored for f16 {
     const DTYPE: Dtype = Dtype::F16;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
+    #[inline]
+    fn encode<A: Elem>(src: &[A], dst: &mut [Self]) -> f32 {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = Self::from_f32(s.to_f32());
+        }
+        1.0
+    }
+}
+
+impl Elem for f16 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         f16::from_f32(x)
     }
 }
 
-/// The value at `p`, widened to f32.
+impl Stored for i8 {
+    const DTYPE: Dtype = Dtype::I8;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from(self)
+    }
+    fn encode<A: Elem>(src: &[A], dst: &mut [Self]) -> f32 {
+        let amax = src.iter().fold(0.0f32, |m, x| m.max(x.to_f32().abs()));
+        if amax == 0.0 {
+            dst.fill(0);
+            return 0.0;
+        }
+        // `x · (127 / amax)` rather than `x / scale`: one multiply per value, and the largest
+        // value maps to exactly ±127 either way (clamped, in case the product rounds up).
+        let inv = 127.0 / amax;
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = (s.to_f32() * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+        }
+        amax / 127.0
+    }
+}
+
+/// The value at `p`, widened to f32 (for `i8`, before its row's scale).
 ///
 /// # Safety
 /// `p` is readable.
 #[inline(always)]
-pub(crate) unsafe fn get<E: Elem>(p: *const E) -> f32 {
+pub(crate) unsafe fn get<E: Stored>(p: *const E) -> f32 {
     // SAFETY: forwarded contract.
     unsafe { (*p).to_f32() }
 }

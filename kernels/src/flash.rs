@@ -19,7 +19,7 @@
 //! applying the scale in f32 instead of pre-scaling Q. Masks, the softmax and the output are
 //! shared.
 
-use crate::elem::{get, Dtype, Elem};
+use crate::elem::{get, Dtype, Elem, Stored};
 use crate::gemm::{Accum, Epilogue, Plain, Softcap, Tiles};
 use crate::score::{finish, ScoreSpec};
 use crate::simd::{aligned, exp2, ScaledTanh, Simd, SimdDiv, ALIGN_SLACK};
@@ -30,9 +30,10 @@ const LN2: f32 = core::f32::consts::LN_2;
 
 /// Everything the fused kernel needs for one (batch, head, query block). Pointers are raw
 /// because the output rows of different blocks interleave in memory (BLHD layout). Q is read as
-/// `Q` and K, V as `KV` (any [`Elem`], widened to f32 on load); everything computed is f32.
+/// `Q` and K, V as `KV` (any [`Stored`] type, widened to f32 a key block at a time; `i8` rows
+/// times their scales); everything computed is f32.
 #[derive(Clone, Copy, Debug)]
-pub struct FlashArgs<Q: Elem = f32, KV: Elem = f32> {
+pub struct FlashArgs<Q: Elem = f32, KV: Stored = f32> {
     /// Query rows in this block.
     pub m: usize,
     /// Keys in the sequence (the key/value row count).
@@ -58,6 +59,11 @@ pub struct FlashArgs<Q: Elem = f32, KV: Elem = f32> {
     pub v: *const KV,
     /// Row stride of V.
     pub ldv: usize,
+    /// `i8` K only: key row `j` is `k_scale[j]·K[j]` (`n` values). Unused (may be null) for
+    /// the float types.
+    pub k_scale: *const f32,
+    /// `i8` V only: value row `j` is `v_scale[j]·V[j]`, as `k_scale`.
+    pub v_scale: *const f32,
     /// Output rows: element `(r, c)` at `o + r*ldo + c`; only `c < dv` is written.
     pub o: *mut f32,
     /// Row stride of O.
@@ -98,7 +104,7 @@ pub fn scratch_len(m: usize, d: usize, dv: usize) -> usize {
 /// f32 elements of scratch [`crate::flash_forward_as`] needs for these extents, Q of type `Q`
 /// and K, V of type `KV` (enough for every ISA). Saturates rather than overflows, so an
 /// absurd shape asks for an allocation that fails.
-pub fn scratch_len_as<Q: Elem, KV: Elem>(m: usize, d: usize, dv: usize) -> usize {
+pub fn scratch_len_as<Q: Elem, KV: Stored>(m: usize, d: usize, dv: usize) -> usize {
     Layout::new(m, d, dv, Operands::of::<Q, KV>()).total()
 }
 
@@ -201,38 +207,46 @@ impl PairLens {
     }
 }
 
-/// Rows `< rows` of `src` (stride `lds`, `cols` wide) widened into `dst` (dense, stride `cols`).
+/// Rows `< rows` of `src` (stride `lds`, `cols` wide) widened into `dst` (dense, stride `cols`),
+/// row `r` times `scale[r]` when `SCALED`.
 ///
 /// # Safety
-/// `src` readable and `dst` writable at those extents; the ISA of `S` is enabled.
+/// `src` readable and `dst` writable at those extents, `scale` readable for `rows` values when
+/// `SCALED`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn widen_rows<S: Simd, E: Elem>(
+unsafe fn widen_rows<S: Simd, E: Stored, const SCALED: bool>(
     src: *const E,
     lds: usize,
     rows: usize,
     cols: usize,
     dst: *mut f32,
+    scale: *const f32,
 ) {
     // SAFETY: every index is `< rows` rows × `< cols` columns of the extents promised.
     unsafe {
         for r in 0..rows {
             let (s, d) = (src.add(r * lds), dst.add(r * cols));
+            let k = if SCALED { *scale.add(r) } else { 1.0 };
+            let kv = S::splat(k);
             let mut c = 0;
             while c + S::W <= cols {
-                S::store(d.add(c), S::load_as(s.add(c)));
+                let x = S::load_as(s.add(c));
+                S::store(d.add(c), if SCALED { S::mul(x, kv) } else { x });
                 c += S::W;
             }
             for c in c..cols {
-                *d.add(c) = get(s.add(c));
+                let x = get(s.add(c));
+                *d.add(c) = if SCALED { x * k } else { x };
             }
         }
     }
 }
 
-/// [`widen_rows`] from elements of type `dt`.
+/// [`widen_rows`] from elements of type `dt`; `i8` rows are multiplied by their `scale`.
 ///
 /// # Safety
-/// As [`widen_rows`], `src` pointing at `dt` elements (not f32, which is never widened).
+/// As [`widen_rows`], `src` pointing at `dt` elements (not f32, which is never widened), `scale`
+/// readable for `rows` values when `dt` is `i8`.
 #[inline(always)]
 unsafe fn widen_any<S: Simd>(
     dt: Dtype,
@@ -241,13 +255,15 @@ unsafe fn widen_any<S: Simd>(
     rows: usize,
     cols: usize,
     dst: *mut f32,
+    scale: *const f32,
 ) {
     // SAFETY: forwarded contract.
     unsafe {
         match dt {
-            Dtype::Bf16 => widen_rows::<S, bf16>(src.cast(), lds, rows, cols, dst),
-            Dtype::F16 => widen_rows::<S, f16>(src.cast(), lds, rows, cols, dst),
-            _ => unreachable!("f32 operands are read in place"),
+            Dtype::Bf16 => widen_rows::<S, bf16, false>(src.cast(), lds, rows, cols, dst, scale),
+            Dtype::F16 => widen_rows::<S, f16, false>(src.cast(), lds, rows, cols, dst, scale),
+            Dtype::I8 => widen_rows::<S, i8, true>(src.cast(), lds, rows, cols, dst, scale),
+            Dtype::F32 => unreachable!("f32 operands are read in place"),
         }
     }
 }
@@ -255,7 +271,7 @@ unsafe fn widen_any<S: Simd>(
 /// `a` with its operand pointers cast to f32, and their real types: the form the kernel runs
 /// on, so that one instance per ISA and epilogue serves every element type (a typed instance
 /// per type cost minutes of build each) and only the widening knows the types.
-pub(crate) fn erase<Q: Elem, KV: Elem>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Operands) {
+pub(crate) fn erase<Q: Elem, KV: Stored>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Operands) {
     let FlashArgs {
         m,
         n,
@@ -269,6 +285,8 @@ pub(crate) fn erase<Q: Elem, KV: Elem>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Oper
         ldk,
         v,
         ldv,
+        k_scale,
+        v_scale,
         o,
         ldo,
         lse,
@@ -288,6 +306,8 @@ pub(crate) fn erase<Q: Elem, KV: Elem>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Oper
         ldk,
         v: v.cast(),
         ldv,
+        k_scale,
+        v_scale,
         o,
         ldo,
         lse,
@@ -305,7 +325,7 @@ pub(crate) struct Operands {
 }
 
 impl Operands {
-    fn of<Q: Elem, KV: Elem>() -> Self {
+    fn of<Q: Elem, KV: Stored>() -> Self {
         Operands {
             q: Q::DTYPE,
             kv: KV::DTYPE,
@@ -419,7 +439,8 @@ impl<S: Tiles + SimdDiv> Products<S> for Widened<'_> {
             let (q, ldq) = match self.ops.q {
                 Dtype::F32 => (a.q, a.ldq),
                 dt => {
-                    widen_any::<S>(dt, a.q.cast(), a.ldq, m, d, self.qw.as_mut_ptr());
+                    let qw = self.qw.as_mut_ptr();
+                    widen_any::<S>(dt, a.q.cast(), a.ldq, m, d, qw, core::ptr::null());
                     (self.qw.as_ptr(), d)
                 }
             };
@@ -452,8 +473,9 @@ impl<S: Tiles + SimdDiv> Products<S> for Widened<'_> {
                     let size = dt.size();
                     let (k, v) = (a.k.cast::<u8>(), a.v.cast::<u8>());
                     let (kw, vw) = (self.kw.as_mut_ptr(), self.vw.as_mut_ptr());
-                    widen_any::<S>(dt, k.add(j0 * a.ldk * size), a.ldk, nb, d, kw);
-                    widen_any::<S>(dt, v.add(j0 * a.ldv * size), a.ldv, nb, a.dv, vw);
+                    let (ks, vs) = (a.k_scale.wrapping_add(j0), a.v_scale.wrapping_add(j0));
+                    widen_any::<S>(dt, k.add(j0 * a.ldk * size), a.ldk, nb, d, kw, ks);
+                    widen_any::<S>(dt, v.add(j0 * a.ldv * size), a.ldv, nb, a.dv, vw, vs);
                     (self.vb, self.ldv) = (vw, a.dv);
                     (kw.cast_const(), d)
                 }

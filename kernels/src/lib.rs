@@ -6,7 +6,8 @@
 //! and the checks each safe function documents: the `attnkit` crate validates user input first.
 //!
 //! The flash and decode kernels read their operands as any [`Elem`] (`f32`, [`bf16`],
-//! [`f16`](struct@f16)), widened on load, and compute in f32. The flash kernel is compiled once
+//! [`f16`](struct@f16)), widened on load, and compute in f32; K and V may also be `i8` with an
+//! f32 scale per row ([`Stored`]), the storage of quantised KV caches. The flash kernel is compiled once
 //! for every type ([`flash_forward_as`]; [`flash_forward`] is its f32 form). The decode kernel
 //! is generic: [`Operand`] holds its instances compiled here (Q, K and V of one type;
 //! [`decode_partial`] is the f32 one), [`decode_partial_as`] is the generic entry point for
@@ -36,7 +37,7 @@ pub use decode::{
     decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk,
     DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
 };
-pub use elem::{Dtype, Elem};
+pub use elem::{Dtype, Elem, Stored};
 pub use flash::{key_block, scratch_len, scratch_len_as, FlashArgs};
 pub use half::{bf16, f16};
 pub use heads::{merge_heads, split_heads};
@@ -51,20 +52,20 @@ use simd::Portable;
 /// types), inside a function compiled for that ISA (`#[target_feature]` on the per-ISA entry
 /// only; everything below it is `#[inline(always)]`).
 macro_rules! isa_fn {
-    ($name:ident $(<$($g:ident),*>)? ($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $gm:ident :: $gf:ident) => {
+    ($name:ident $(<$($g:ident : $gb:ident),*>)? ($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $gm:ident :: $gf:ident) => {
         /// # Safety
         /// `isa.is_supported()` and the contract of the generic kernel.
-        unsafe fn $name$(<$($g: Elem),*>)?(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
+        unsafe fn $name$(<$($g: $gb),*>)?(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
             debug_assert!(isa.is_supported(), "{isa} is not supported on this CPU");
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma,f16c")]
-            unsafe fn avx2$(<$($g: Elem),*>)?($($arg: $ty),*) $(-> $ret)? {
+            unsafe fn avx2$(<$($g: $gb),*>)?($($arg: $ty),*) $(-> $ret)? {
                 // SAFETY: forwarded contract; AVX2+FMA+F16C enabled by the caller's check.
                 unsafe { $gm::$gf::<x86_64::avx2::Avx2 $($(, $g)*)?>($($arg),*) }
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f")]
-            unsafe fn avx512$(<$($g: Elem),*>)?($($arg: $ty),*) $(-> $ret)? {
+            unsafe fn avx512$(<$($g: $gb),*>)?($($arg: $ty),*) $(-> $ret)? {
                 // SAFETY: forwarded contract; AVX-512F enabled by the caller's check.
                 unsafe { $gm::$gf::<x86_64::avx512::Avx512 $($(, $g)*)?>($($arg),*) }
             }
@@ -100,11 +101,11 @@ unsafe fn flash_isa(isa: Isa, args: &FlashArgs, ops: flash::Operands, scratch: &
     // SAFETY: forwarded contract.
     unsafe { flash_widened(isa, args, ops, scratch) }
 }
-isa_fn!(decode_isa<Q, KV>(args: &DecodeArgs<Q, KV>, partial: *mut f32, ldp: usize, scratch: &mut [f32]) => decode::decode);
+isa_fn!(decode_isa<Q: Elem, KV: Stored>(args: &DecodeArgs<Q, KV>, partial: *mut f32, ldp: usize, scratch: &mut [f32]) => decode::decode);
 isa_fn!(softmax_isa(x: &mut [f32], sink: f32) => flash::softmax);
 isa_fn!(apply_row_isa(spec: &ScoreSpec, r: usize, j0: usize, x: &mut [f32], u: f32) => score::apply_row);
 isa_fn!(exp_scale_isa(x: &mut [f32], m: f32, k: f32) => flash::exp_scale);
-isa_fn!(block_isa<A, B>(m: usize, nvec: usize, kc: usize, chain: usize, a: *const A, rsa: usize, csa: usize, b: *const B,
+isa_fn!(block_isa<A: Elem, B: Elem>(m: usize, nvec: usize, kc: usize, chain: usize, a: *const A, rsa: usize, csa: usize, b: *const B,
     ldb: usize, c: *mut f32, ldc: usize, acc: Accum) => gemm::block);
 
 /// Fused attention forward for one block of query rows of one head (see [`FlashArgs`]).
@@ -115,8 +116,8 @@ isa_fn!(block_isa<A, B>(m: usize, nvec: usize, kc: usize, chain: usize, a: *cons
 /// # Safety
 /// * `isa.is_supported()`;
 /// * every pointer in `args` is valid for the extents it describes (rows `< m` of Q, O, bias,
-///   mask, lse, weights; rows `< n` of K and V; `d`/`dv` columns, `n` columns of bias, mask and
-///   weights) and the written ranges (O, lse, weights) overlap nothing else that is read or
+///   mask, lse, weights; rows `< n` of K and V and, for `i8` K and V, of their scales; `d`/`dv`
+///   columns, `n` columns of bias, mask and weights) and the written ranges (O, lse, weights) overlap nothing else that is read or
 ///   written concurrently;
 /// * `key_len ≤ n`; `scratch.len() ≥ scratch_len(m, d, dv)`.
 pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
@@ -129,7 +130,7 @@ pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
 ///
 /// # Safety
 /// As [`flash_forward`], with `scratch.len() ≥ scratch_len_as::<Q, KV>(m, d, dv)`.
-pub unsafe fn flash_forward_as<Q: Elem, KV: Elem>(
+pub unsafe fn flash_forward_as<Q: Elem, KV: Stored>(
     isa: Isa,
     args: &FlashArgs<Q, KV>,
     scratch: &mut [f32],
@@ -175,7 +176,7 @@ pub fn flash_path(isa: Isa, q: Dtype, kv: Dtype, d: usize) -> FlashPath {
 /// # Safety
 /// * `isa.is_supported()`;
 /// * K and V rows `< j_end` and every row's `q` (`d` values), `bias`/`mask` (indices `< j_end`)
-///   are readable; `partial` is writable at `r*ldp + [0, dv+2)` for every row and overlaps no
+///   and, for `i8` K and V, `k_scale`/`v_scale` (indices `< j_end`) are readable; `partial` is writable at `r*ldp + [0, dv+2)` for every row and overlaps no
 ///   input; `scratch.len() ≥ decode_scratch_len(d, dv)`.
 pub unsafe fn decode_partial(
     isa: Isa,
@@ -194,7 +195,7 @@ pub unsafe fn decode_partial(
 ///
 /// # Safety
 /// As [`decode_partial`].
-pub unsafe fn decode_partial_as<Q: Elem, KV: Elem>(
+pub unsafe fn decode_partial_as<Q: Elem, KV: Stored>(
     isa: Isa,
     args: &DecodeArgs<Q, KV>,
     partial: *mut f32,
@@ -209,13 +210,13 @@ pub unsafe fn decode_partial_as<Q: Elem, KV: Elem>(
     unsafe { decode_isa(isa, args, partial, ldp, scratch) }
 }
 
-/// An element type whose decode kernel, with f32 queries and K, V of that type, is compiled once
-/// in this crate: `f32`, [`bf16`] and [`f16`](struct@f16). Callers generic over the cache's type
+/// A storage type whose decode kernel, with f32 queries and K, V of that type, is compiled once
+/// in this crate: `f32`, [`bf16`], [`f16`](struct@f16) and `i8` (with its row scales). Callers generic over the cache's type
 /// dispatch through it rather than instantiating [`decode_partial_as`] themselves (each instance
 /// is minutes of build); queries of another type are widened to f32 first (exact, and a few
 /// rows of `d` values per call). The flash kernel needs no such trait: it is compiled once for
 /// every type ([`flash_forward_as`] only erases the types).
-pub trait Operand: Elem {
+pub trait Operand: Stored {
     /// [`decode_partial`] for f32 queries over K and V of this type.
     ///
     /// # Safety
@@ -246,7 +247,7 @@ macro_rules! operand {
         }
     )*};
 }
-operand!(f32, bf16, f16);
+operand!(f32, bf16, f16, i8);
 
 /// Vectorised `x ← 2^x` (see the accuracy note on [`reference::exp2`]): ≤ 3 ulp on
 /// [-126, 127], flush to +0 below -126.5 (so `-inf → 0`), NaN propagates.

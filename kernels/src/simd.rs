@@ -2,7 +2,7 @@
 //! per-ISA entry points carry `#[target_feature]`, everything here is `#[inline(always)]` so it is
 //! compiled with the caller's features (the memchr / pulp pattern).
 
-use crate::elem::{get, Dtype, Elem};
+use crate::elem::{get, Dtype, Stored};
 use half::{bf16, f16};
 
 /// One SIMD register of f32 lanes. All methods are `unsafe`: the caller guarantees that the CPU
@@ -18,7 +18,7 @@ pub(crate) trait Simd: Copy {
     /// `W` values of any operand type at `p`, widened to f32: the one load generic kernels use
     /// for Q, K and V.
     #[inline(always)]
-    unsafe fn load_as<E: Elem>(p: *const E) -> Self::V {
+    unsafe fn load_as<E: Stored>(p: *const E) -> Self::V {
         // SAFETY: forwarded contract; `DTYPE` names the type behind `p` (the trait is sealed and
         // each impl states its own), so each cast reads the type that is there.
         unsafe {
@@ -26,6 +26,7 @@ pub(crate) trait Simd: Copy {
                 Dtype::F32 => Self::load(p.cast()),
                 Dtype::Bf16 => Self::load_bf16(p.cast()),
                 Dtype::F16 => Self::load_f16(p.cast()),
+                Dtype::I8 => Self::load_i8(p.cast()),
             }
         }
     }
@@ -40,6 +41,13 @@ pub(crate) trait Simd: Copy {
     unsafe fn load_f16(p: *const f16) -> Self::V {
         // SAFETY: forwarded contract.
         unsafe { load_widened::<Self, f16>(p) }
+    }
+    /// `W` i8 values widened (exactly; the row's scale is applied by the caller); the default
+    /// goes through memory.
+    #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> Self::V {
+        // SAFETY: forwarded contract.
+        unsafe { load_widened::<Self, i8>(p) }
     }
     unsafe fn store(p: *mut f32, v: Self::V);
     /// `a * b + c`, fused where the ISA has it.
@@ -140,7 +148,7 @@ pub(crate) trait Simd: Copy {
 /// # Safety
 /// `S::W` values readable at `p`; the ISA of `S` is enabled.
 #[inline(always)]
-unsafe fn load_widened<S: Simd, E: Elem>(p: *const E) -> S::V {
+unsafe fn load_widened<S: Simd, E: Stored>(p: *const E) -> S::V {
     let mut t = [0.0f32; 16];
     // SAFETY: forwarded contract; `t` holds `W ≤ 16` lanes.
     unsafe {
@@ -587,7 +595,7 @@ pub(crate) mod tests {
     }
 
     /// `load_bf16` / `load_f16` on `S` against the scalar widening, over values that cover
-    /// normals, subnormals, zeros, infinities and NaN.
+    /// normals, subnormals, zeros, infinities and NaN; `load_i8` over every i8.
     unsafe fn check_loads<S: Simd>(name: &str) {
         let bits: Vec<u16> = (0..4096u32).map(|i| (i * 16 + i / 256) as u16).collect();
         let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
@@ -603,6 +611,15 @@ pub(crate) mod tests {
             for i in 0..S::W {
                 assert!(same(gb[i], b[i].to_f32()), "{name}: bf16 {:#x}", chunk[i]);
                 assert!(same(gh[i], h[i].to_f32()), "{name}: f16 {:#x}", chunk[i]);
+            }
+        }
+        let all: Vec<i8> = (i8::MIN..=i8::MAX).collect();
+        for chunk in all.chunks_exact(S::W) {
+            let mut g = [0.0f32; 16];
+            // SAFETY: the caller checked the ISA; `g` holds W lanes, `chunk` W values.
+            unsafe { S::store(g.as_mut_ptr(), S::load_i8(chunk.as_ptr())) };
+            for i in 0..S::W {
+                assert_eq!(g[i], f32::from(chunk[i]), "{name}: i8 {}", chunk[i]);
             }
         }
     }

@@ -62,6 +62,8 @@ fn flash<Q: Elem, KV: Elem>(
         ldk,
         v: v.as_ptr(),
         ldv,
+        k_scale: std::ptr::null(),
+        v_scale: std::ptr::null(),
         o: o.as_mut_ptr(),
         ldo: s.dv,
         lse: lse.as_mut_ptr(),
@@ -73,7 +75,7 @@ fn flash<Q: Elem, KV: Elem>(
     (o, lse)
 }
 
-fn flash_case<E: Operand>(isa: Isa, rng: &mut SmallRng, s: &Shape) {
+fn flash_case<E: Operand + Elem>(isa: Isa, rng: &mut SmallRng, s: &Shape) {
     let lds = (s.d + 3, s.d + 1, s.dv + 2);
     let (q, qf) = values::<E>(rng, s.m * lds.0);
     let (k, kf) = values::<E>(rng, s.n * lds.1);
@@ -206,6 +208,8 @@ fn decode<Q: Elem, KV: Elem>(
             ldk: d,
             v: v.as_ptr(),
             ldv: dv,
+            k_scale: std::ptr::null(),
+            v_scale: std::ptr::null(),
             j_begin,
             j_end,
             scale: 1.0 / (d as f32).sqrt(),
@@ -223,7 +227,7 @@ fn decode<Q: Elem, KV: Elem>(
     res
 }
 
-fn decode_case<E: Operand>(
+fn decode_case<E: Operand + Elem>(
     isa: Isa,
     rng: &mut SmallRng,
     walk: DecodeWalk,

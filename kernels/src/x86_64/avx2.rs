@@ -40,6 +40,12 @@ impl Simd for Avx2 {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
     #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> __m256 {
+        // SAFETY: see the impl comment (8 values of 1 byte at `p`): sign-extend to 32 bits,
+        // convert (exact).
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
+    }
+    #[inline(always)]
     unsafe fn store(p: *mut f32, v: __m256) {
         // SAFETY: see the impl comment.
         unsafe { _mm256_storeu_ps(p, v) }

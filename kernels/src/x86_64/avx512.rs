@@ -40,6 +40,12 @@ impl Simd for Avx512 {
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
     #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> __m512 {
+        // SAFETY: see the impl comment (16 values of 1 byte at `p`): sign-extend to 32 bits,
+        // convert (exact).
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
+    }
+    #[inline(always)]
     unsafe fn store(p: *mut f32, v: __m512) {
         // SAFETY: see the impl comment.
         unsafe { _mm512_storeu_ps(p, v) }

@@ -4,8 +4,8 @@ use crate::cases::Case;
 use attnkit::kernels::reference;
 use attnkit::unfused::{sdpa_unfused_with, Backend};
 use attnkit::{
-    bf16, choose_kernel, f16, sdpa, AlignedBuf, Causal, Dtype, Elem, Isa, Kernel, Operand,
-    SdpaOptions, Tensor, TensorMut,
+    bf16, choose_kernel, f16, sdpa, sdpa_int8, AlignedBuf, Causal, Dtype, Elem, Isa, Kernel,
+    Operand, SdpaOptions, Stored, Tensor, TensorMut,
 };
 
 /// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed, each buffer starting on a
@@ -20,22 +20,46 @@ pub struct Inputs {
     pub typed: [Typed; 3],
 }
 
-/// One input in the type our kernels read it in: the f32 buffer itself, or a 16-bit copy.
+/// One input in the type our kernels read it in: the f32 buffer itself, a 16-bit copy, or int8
+/// rows with their scales.
 pub enum Typed {
     F32,
     Bf16(Vec<bf16>),
     F16(Vec<f16>),
+    I8(Vec<i8>, Vec<f32>),
 }
 
 impl Typed {
-    /// `x` in `dt` (rounding `x` to it in place).
-    fn of(dt: Dtype, x: &mut [f32]) -> Typed {
+    /// `x` (rows of `d` values) in `dt`, and `x` overwritten with what that type holds, widened.
+    fn of(dt: Dtype, x: &mut [f32], d: usize) -> Typed {
         match dt {
             Dtype::Bf16 => Typed::Bf16(round_to(x)),
             Dtype::F16 => Typed::F16(round_to(x)),
+            Dtype::I8 => {
+                let (q, s) = quantise(x, d);
+                Typed::I8(q, s)
+            }
             _ => Typed::F32,
         }
     }
+}
+
+/// Rows of `d` values of `x` quantised to int8 with a scale each (as `KvCache<i8>` stores
+/// them), and `x` overwritten with the dequantised values.
+fn quantise(x: &mut [f32], d: usize) -> (Vec<i8>, Vec<f32>) {
+    let mut q = vec![0i8; x.len()];
+    let mut scales = Vec::with_capacity(x.len() / d.max(1));
+    if d == 0 {
+        return (q, scales);
+    }
+    for (row, qrow) in x.chunks_exact_mut(d).zip(q.chunks_exact_mut(d)) {
+        let s = i8::encode(row, qrow);
+        for (v, &qv) in row.iter_mut().zip(qrow.iter()) {
+            *v = s * f32::from(qv);
+        }
+        scales.push(s);
+    }
+    (q, scales)
 }
 
 /// `x` rounded to `E`, and `x` overwritten with the rounded values widened.
@@ -76,9 +100,9 @@ impl Inputs {
         let m = modifiers();
         let kv = m.kv_dtype.unwrap_or(m.dtype);
         let typed = [
-            Typed::of(m.dtype, &mut q),
-            Typed::of(kv, &mut k),
-            Typed::of(kv, &mut v),
+            Typed::of(m.dtype, &mut q, case.d),
+            Typed::of(kv, &mut k, case.d),
+            Typed::of(kv, &mut v, case.d),
         ];
         Inputs { q, k, v, typed }
     }
@@ -128,7 +152,7 @@ pub const NAMES: &[&str] = &[
 /// weights and a FLOP convention of their own); `--impl` names them only to say so.
 const LAYERS: &[&str] = &["mha", "additive"];
 
-fn views<'a, Q: Elem, KV: Elem>(
+fn views<'a, Q: Elem, KV: Stored>(
     case: &Case,
     q: &'a [Q],
     kv: [&'a [KV]; 2],
@@ -159,6 +183,12 @@ fn sdpa_in<Q: Elem>(case: &Case, q: &[Q], inp: &Inputs, out: &mut [f32], opts: &
     match &inp.typed[1..] {
         [Typed::Bf16(k), Typed::Bf16(v)] => go(case, q, [k, v], out, opts),
         [Typed::F16(k), Typed::F16(v)] => go(case, q, [k, v], out, opts),
+        [Typed::I8(k, ks), Typed::I8(v, vs)] => {
+            let (q, k, v, mut o) = views(case, q, [k, v], out);
+            let rows = [case.b, case.hkv, case.lk, 1];
+            let (ks, vs) = (Tensor::bhld(ks, rows), Tensor::bhld(vs, rows));
+            sdpa_int8(&q, &k, &ks, &v, &vs, &mut o, opts).expect("sdpa_int8 failed");
+        }
         _ => go(case, q, [&inp.k[..], &inp.v[..]], out, opts),
     }
 }
@@ -197,7 +227,7 @@ pub fn modifiers_mut() -> std::sync::MutexGuard<'static, Modifiers> {
     MODIFIERS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn modifiers() -> Modifiers {
+pub fn modifiers() -> Modifiers {
     *modifiers_mut()
 }
 
@@ -224,6 +254,7 @@ pub fn modifiers_tag(imp: &str) -> String {
         (kv == Some(Dtype::F32), "+kv-f32"),
         (kv == Some(Dtype::Bf16), "+kv-bf16"),
         (kv == Some(Dtype::F16), "+kv-f16"),
+        (kv == Some(Dtype::I8), "+kv-int8"),
     ] {
         let on = on && imp.starts_with("fused");
         if on {
@@ -293,6 +324,7 @@ impl Impl for Fused {
             Typed::F32 => sdpa_in(case, &inp.q[..], inp, out, &opts),
             Typed::Bf16(q) => sdpa_in(case, q, inp, out, &opts),
             Typed::F16(q) => sdpa_in(case, q, inp, out, &opts),
+            Typed::I8(..) => unreachable!("queries are never int8"),
         }
     }
 }

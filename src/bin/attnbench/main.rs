@@ -69,9 +69,12 @@ RUN
   --dtype T           f32 | bf16 | f16: Q, K, V of our fused kernels in T (output f32); the
                       inputs are rounded to T for every implementation, so all compute on the
                       same values (tags fused+bf16 / fused+f16)
-  --kv-dtype T        K and V of our fused kernels in T, Q staying in --dtype (a 16-bit KV
-                      cache with f32 queries: --kv-dtype bf16; tag fused+kv-bf16); KV GB/s
-                      then counts T's bytes
+  --kv-dtype T        K and V of our fused kernels in T (f32 | bf16 | f16 | int8), Q staying
+                      in --dtype (a 16-bit KV cache with f32 queries: --kv-dtype bf16; tag
+                      fused+kv-bf16); int8 quantises each (token, head) row with its own f32
+                      scale, as KvCache<i8> does (sdpa_int8), and every implementation then
+                      computes on the dequantised values; KV GB/s counts T's bytes (int8: the
+                      values plus 4 bytes of scale a row)
   --naive-max M       largest case for naive, in millions of multiply-adds (default 32)
   --peak GFLOPS       one thread's FMA peak, instead of the probe (scaled by the thread count)
 OUTPUT
@@ -109,12 +112,14 @@ struct Config {
     preset: Option<String>,
 }
 
-/// The element type named by the value of `opt`.
-fn dtype(opt: &str, t: &str) -> Result<attnkit::Dtype, String> {
+/// The element type named by the value of `opt` (`int8` only where `int8` is true: K and V).
+fn dtype(opt: &str, t: &str, int8: bool) -> Result<attnkit::Dtype, String> {
     match t {
         "f32" => Ok(attnkit::Dtype::F32),
         "bf16" => Ok(attnkit::Dtype::Bf16),
         "f16" => Ok(attnkit::Dtype::F16),
+        "int8" if int8 => Ok(attnkit::Dtype::I8),
+        t if int8 => Err(format!("{opt}: expected f32, bf16, f16 or int8, got {t:?}")),
         t => Err(format!("{opt}: expected f32, bf16 or f16, got {t:?}")),
     }
 }
@@ -234,9 +239,9 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
             "--alibi" => impls::modifiers_mut().alibi = true,
             "--softcap" => impls::modifiers_mut().softcap = Some(num(value(&mut it)?)? as f32),
             "--sinks" => impls::modifiers_mut().sinks = true,
-            "--dtype" => impls::modifiers_mut().dtype = dtype("--dtype", &value(&mut it)?)?,
+            "--dtype" => impls::modifiers_mut().dtype = dtype("--dtype", &value(&mut it)?, false)?,
             "--kv-dtype" => {
-                impls::modifiers_mut().kv_dtype = Some(dtype("--kv-dtype", &value(&mut it)?)?)
+                impls::modifiers_mut().kv_dtype = Some(dtype("--kv-dtype", &value(&mut it)?, true)?)
             }
             "--cold" => cfg.cold = true,
             "--naive-max" => cfg.naive_max = num(value(&mut it)?)? * 1e6,
@@ -435,9 +440,13 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
             peaks.insert(t, p);
         }
         for case in &cfg.cases {
-            // Identical copies (same seed), one per call in turn under --cold.
+            // Identical copies (same seed), one per call in turn under --cold: enough that the
+            // smallest form any implementation reads (an int8 cache is a quarter of the f32
+            // buffers) adds up to COLD_BYTES.
             let copies = if cfg.cold {
-                (COLD_BYTES / case.input_bytes().max(1.0)).clamp(1.0, 64.0) as usize
+                let m = impls::modifiers();
+                let kv = m.kv_dtype.unwrap_or(m.dtype).size().min(m.dtype.size()) as f64;
+                (COLD_BYTES / (case.input_bytes() * kv / 4.0).max(1.0)).clamp(1.0, 64.0) as usize
             } else {
                 1
             };

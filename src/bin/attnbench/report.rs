@@ -338,11 +338,13 @@ fn read_share(rows: &[&Record], r: &Record) -> String {
         })
 }
 
-/// Bytes per K/V element of the implementation tagged `imp`: 2 for our kernels on a 16-bit
-/// cache (`+kv-bf16`, `+kv-f16`, or `+bf16` / `+f16` without a `+kv-` tag), else 4 (read-kv
-/// reads the f32 buffers).
-fn kv_elem_bytes(imp: &str) -> f64 {
-    if imp.contains("+kv-bf16") || imp.contains("+kv-f16") {
+/// Bytes per K/V element of the implementation tagged `imp`, rows `d` wide: 2 for our kernels
+/// on a 16-bit cache (`+kv-bf16`, `+kv-f16`, or `+bf16` / `+f16` without a `+kv-` tag),
+/// `1 + 4/d` on an int8 one (a scale per row), else 4 (read-kv reads the f32 buffers).
+fn kv_elem_bytes(imp: &str, d: usize) -> f64 {
+    if imp.contains("+kv-int8") {
+        1.0 + 4.0 / d.max(1) as f64
+    } else if imp.contains("+kv-bf16") || imp.contains("+kv-f16") {
         2.0
     } else if imp.contains("+kv-f32") {
         4.0
@@ -355,12 +357,12 @@ fn kv_elem_bytes(imp: &str) -> f64 {
 
 /// GB/s of K and V bytes (in the implementation's element size) over the median time.
 fn kv_gbs(r: &Record) -> f64 {
-    r.case.kv_bytes(kv_elem_bytes(&r.imp)) / r.median_s / 1e9
+    r.case.kv_bytes(kv_elem_bytes(&r.imp, r.case.d)) / r.median_s / 1e9
 }
 
 /// Markdown: one table per thread count, one row per case, one column per implementation with
-/// `GFLOP/s (% of peak)`; decode rows (Lq = 1) show time and K+V bandwidth instead, with the
-/// share of `read-kv` measured in the same run.
+/// `GFLOP/s (% of peak)`; decode rows (Lq = 1) show time, tokens/s and K+V bandwidth instead,
+/// with the share of `read-kv` measured in the same run.
 pub fn markdown(records: &[Record]) -> String {
     let mut s = String::new();
     let names = impl_order(records);
@@ -412,10 +414,13 @@ pub fn markdown(records: &[Record]) -> String {
                 match rows.iter().find(|r| r.case == *c && r.imp == **name) {
                     None => s.push_str(" – |"),
                     Some(r) if c.lq == 1 && c.lk > 1 => {
+                        // Tokens: one per sequence per call (every query row is a new token).
+                        let tokens = (c.b * c.lq) as f64 / r.median_s;
                         let _ = write!(
                             s,
-                            " {} · {:.1} GB/s{} |",
+                            " {} · {:.0} tok/s · {:.1} GB/s{} |",
                             fmt_time(r.median_s),
+                            tokens,
                             kv_gbs(r),
                             read_share(&rows, r)
                         );
@@ -459,11 +464,12 @@ mod tests {
     /// f32 read-kv of the same case and pages is its GB/s over read-kv's.
     #[test]
     fn kv_bandwidth_counts_the_cache_type() {
-        assert_eq!(kv_elem_bytes("fused"), 4.0);
-        assert_eq!(kv_elem_bytes("fused+bf16"), 2.0);
-        assert_eq!(kv_elem_bytes("fused+alibi+kv-f16"), 2.0);
-        assert_eq!(kv_elem_bytes("fused+bf16+kv-f32"), 4.0);
-        assert_eq!(kv_elem_bytes("read-kv+thp"), 4.0);
+        assert_eq!(kv_elem_bytes("fused", 64), 4.0);
+        assert_eq!(kv_elem_bytes("fused+bf16", 64), 2.0);
+        assert_eq!(kv_elem_bytes("fused+alibi+kv-f16", 64), 2.0);
+        assert_eq!(kv_elem_bytes("fused+bf16+kv-f32", 64), 4.0);
+        assert_eq!(kv_elem_bytes("read-kv+thp", 64), 4.0);
+        assert_eq!(kv_elem_bytes("fused+kv-int8", 64), 1.0625);
         let read = Record {
             median_s: 2.0e-3,
             ..rec("read-kv+thp", 1)
