@@ -406,7 +406,7 @@ unsafe fn scores<
                 // Walking KEYS rows side by side hides K from the hardware prefetchers, so the
                 // K and V rows PF keys ahead are requested explicitly, in address order (PF = 0:
                 // none, for one-key groups on cores whose prefetchers follow them alone).
-                let jp = jb + jj + PF;
+                let jp = jb + jj + PF * 4 / core::mem::size_of::<KV>();
                 let npf = if PF > 0 && jp < a.j_end {
                     KEYS.min(a.j_end - jp)
                 } else {
@@ -705,6 +705,15 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
             // `Prefetch` (measured on the Xeon): chunk-major with software prefetch for every
             // group. Figures for both: docs/tuning-log.md, "Decode walks".
             match n {
+                // Narrow K and V (16 or 8 bits) make a one-row group compute-bound: groups of
+                // 8 keys, so one reduction serves 8 scores and 8 FMA chains run side by side.
+                1 if core::mem::size_of::<KV>() < 4 => run!(
+                    1,
+                    (8, false, 1, 8, P),
+                    (8, false, 1, 8, P),
+                    (8, false, 1, 8, P),
+                    (8, false, 1, 8, P)
+                ),
                 1 => run!(
                     1,
                     (1, false, 1, 8, 0),
@@ -725,6 +734,14 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
                     (4, false, 3, 8, P),
                     (2, false, 3, 4, S),
                     (2, false, 3, 4, P)
+                ),
+                // Narrow V: all four rows in one P·V pass, so each V chunk is widened once.
+                4 if core::mem::size_of::<KV>() < 4 => run!(
+                    4,
+                    (4, false, 4, 4, P),
+                    (4, false, 4, 4, P),
+                    (2, false, 4, 2, S),
+                    (2, false, 4, 2, P)
                 ),
                 4 => run!(
                     4,
