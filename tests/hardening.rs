@@ -341,6 +341,47 @@ fn kv_cache_with_no_sequences() {
         .unwrap();
 }
 
+/// int8 caches under Miri and ASan: the scale pointers of both kernels stay inside the scale
+/// buffers (ragged lengths, a truncated sequence, odd widths, GQA), and decode equals prefill
+/// within f32 rounding.
+#[test]
+fn int8_cache_attends_through_both_kernels() {
+    let (b, hq, hkv, cap, d, dv) = (2, 4, 2, 11, 5, 3);
+    let mut cache = KvCache::<i8>::new_of(b, hkv, cap, d, dv).unwrap();
+    for (t, seed) in [(3, 1), (6, 2)] {
+        let (k, v) = (
+            vals(b * hkv * t * d, seed),
+            vals(b * hkv * t * dv, seed + 7),
+        );
+        cache
+            .append(
+                &Tensor::bhld(&k, [b, hkv, t, d]),
+                &Tensor::bhld(&v, [b, hkv, t, dv]),
+            )
+            .unwrap();
+    }
+    cache.truncate(1, 4).unwrap();
+    let lq = 2;
+    let q = vals(b * hq * lq * d, 5);
+    for isa in attnkit::Isa::available() {
+        let mut outs = Vec::new();
+        for kernel in [Kernel::Decode, Kernel::Prefill] {
+            let mut out = vec![f32::NAN; b * hq * lq * dv];
+            cache
+                .attend(
+                    &Tensor::bhld(&q, [b, hq, lq, d]),
+                    &mut TensorMut::bhld(&mut out, [b, hq, lq, dv]),
+                    &opts_for(isa).kernel(kernel),
+                )
+                .unwrap();
+            outs.push(out);
+        }
+        for (x, y) in outs[0].iter().zip(&outs[1]) {
+            assert!((x - y).abs() <= 1e-5, "{isa}: decode {x} vs prefill {y}");
+        }
+    }
+}
+
 /// Allocation before validation: `sdpa_vec` allocated `B·Hq·Lq·Dv` before looking at the
 /// inputs.
 #[test]

@@ -323,3 +323,35 @@ fn sdpa_int8_checks_its_scales() {
         "{err:?}"
     );
 }
+
+/// Empty sizes on an int8 cache: zero-width rows, an empty cache, no sequences, no capacity.
+/// Every call either works or returns an error; none panics.
+#[test]
+fn int8_cache_edge_sizes() {
+    for [b, h, cap, d, dv, t] in [
+        [1, 1, 4, 0, 3, 2],
+        [1, 2, 4, 3, 0, 2],
+        [0, 2, 4, 3, 3, 1],
+        [2, 1, 0, 3, 3, 0],
+        [1, 1, 3, 0, 0, 3],
+    ] {
+        let mut c = KvCache::<i8>::new_of(b, h, cap, d, dv).unwrap();
+        let (k, v) = (vec![1.5f32; b * h * t * d], vec![-2.0f32; b * h * t * dv]);
+        c.append(
+            &Tensor::bhld(&k, [b, h, t, d]),
+            &Tensor::bhld(&v, [b, h, t, dv]),
+        )
+        .unwrap();
+        assert_eq!(c.lens(), vec![t; b]);
+        let q = vec![0.25f32; b * h * d];
+        let mut out = vec![f32::NAN; b * h * dv];
+        c.attend(
+            &Tensor::bhld(&q, [b, h, 1, d]),
+            &mut TensorMut::bhld(&mut out, [b, h, 1, dv]),
+            &SdpaOptions::new(),
+        )
+        .unwrap();
+        let want = if t == 0 { 0.0 } else { -2.0 };
+        assert!(out.iter().all(|&x| (x - want).abs() < 1e-6), "{out:?}");
+    }
+}

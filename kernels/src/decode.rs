@@ -33,7 +33,8 @@ pub const DECODE_KEY_BLOCK: usize = 32;
 /// D = 128). 8 measured fastest (R = 4, DRAM: 47 ns per key); see docs/tuning-log.md, "Decode
 /// walks".
 const SUB_KEYS: usize = 8;
-/// Software prefetch distance of the chunk-major walk, in keys, under [`DecodeWalk::Streams`]:
+/// Software prefetch distance of the chunk-major walk, in f32 keys (narrower K/V prefetch the
+/// same bytes ahead: `4 / size` times the keys), under [`DecodeWalk::Streams`]:
 /// the best measured on the Zen 4 VM (18.9 GB/s, Hkv = 8, Lk 32768, one thread); see
 /// docs/tuning-log.md, "Decode walks".
 const PF_STREAMS: usize = 12;
