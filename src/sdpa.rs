@@ -27,9 +27,12 @@ use attnkit_kernels::{Elem, Operand, Stored};
 /// them. The kernels widen 16-bit inputs exactly on load and compute in f32 (scores, softmax,
 /// running max and sum, the output accumulator), so a call on 16-bit operands returns in f32
 /// what the f32 call returns on the widened values, bit for bit; a 16-bit `out` is that result
-/// rounded once (to nearest even). `lse` and `weights` are always f32. The one exception is the
-/// opt-in [`Isa::Avx512Bf16`](crate::Isa::Avx512Bf16) with Q, K and V all bf16, which rounds the
-/// softmax weights to bf16 (see [`FlashPath`](crate::kernels::FlashPath)).
+/// rounded once (to nearest even). `lse` and `weights` are always f32. The exceptions are Q, K
+/// and V all bf16 on [`Isa::Amx`](crate::Isa::Amx) (chosen by default where the CPU and OS
+/// allow it; `D` a multiple of 32) and on the opt-in
+/// [`Isa::Avx512Bf16`](crate::Isa::Avx512Bf16): they round the softmax weights to bf16 for
+/// `P·V`, as PyTorch's bf16 attention does (see [`FlashPath`](crate::kernels::FlashPath));
+/// force `ATTNKIT_ISA=avx512` for the exact widening path.
 ///
 /// # Errors
 /// [`AttnError`](crate::AttnError) naming the argument and sizes for: a dimension that disagrees between q, k, v,

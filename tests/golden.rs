@@ -13,7 +13,7 @@
 
 mod common;
 
-use attnkit::kernels::{flash_path, FlashPath};
+use attnkit::kernels::flash_path;
 use attnkit::{
     bf16, f16, sdpa, sdpa_ext, unfused, Causal, Extras, Isa, Kernel, MaskRef, Operand, SdpaOptions,
     Tensor, TensorMut,
@@ -1133,9 +1133,9 @@ fn every_sdpa_case_in_tests_data_is_tested() {
 // of exactly those inputs, and PyTorch's own bf16 / f16 SDPA output. With f32 output ours is the
 // f32 kernel on the widened inputs (within the f32 tolerance of the f64 golden); with 16-bit
 // output its max and mean errors must each stay within 1.5× PyTorch's, measured the same way
-// (against out.f64, from the copied PyTorch output), on every ISA and both kernels. The opt-in
-// bf16 pair path (`FlashPath::Bf16Pairs`) rounds the weights to bf16 as PyTorch does, so there
-// the f32 output meets PyTorch's bar too (and the logsumexp f32's).
+// (against out.f64, from the copied PyTorch output), on every ISA and both kernels. The bf16
+// pair and tile paths (`FlashPath::Bf16Pairs`, `AmxTiles`) round the weights to bf16 as
+// PyTorch does, so there the f32 output meets PyTorch's bar too (and the logsumexp f32's).
 
 const LOWP_CASES: [&str; 5] = [
     "sdpa_bf16_basic",
@@ -1220,7 +1220,7 @@ fn check_lowp_case<E: Operand + attnkit::Elem>(name: &str, tag: &str, from_bits:
             // The pair path rounds the weights to bf16, as PyTorch does: its f32 output meets
             // PyTorch's bar rather than f32's.
             let pairs = kernel == Kernel::Prefill
-                && flash_path(isa, E::DTYPE, E::DTYPE, d) == FlashPath::Bf16Pairs;
+                && flash_path(isa, E::DTYPE, E::DTYPE, d).rounds_weights();
             let mut checks = vec![(&lse, &want_lse, "lse")];
             if pairs {
                 let (max, mean) = abs_errs(out.iter().map(|&x| x as f64), &want);

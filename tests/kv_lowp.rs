@@ -6,7 +6,7 @@
 
 mod common;
 
-use attnkit::kernels::{flash_path, FlashPath};
+use attnkit::kernels::flash_path;
 use attnkit::{
     bf16, f16, AttnError, Elem, Kernel, KvCache, Operand, SdpaOptions, Tensor, TensorMut,
 };
@@ -117,7 +117,7 @@ fn case<E: Operand + Elem>(seed: u64) {
                         // 2⁻⁸·Σⱼ pⱼ·|vⱼ| ≤ 2⁻⁸·max |v| of the f32 one (tests/lowp.rs checks the
                         // tight bound).
                         let pairs = kernel == Kernel::Prefill
-                            && flash_path(isa, E::DTYPE, E::DTYPE, d) == FlashPath::Bf16Pairs;
+                            && flash_path(isa, E::DTYPE, E::DTYPE, d).rounds_weights();
                         if pairs {
                             let vmax = widen(&dense(lowp.values()))
                                 .iter()

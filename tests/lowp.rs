@@ -2,15 +2,15 @@
 //! 16-bit Q, K, V must return *bitwise* what the f32 call returns on the widened values: output
 //! (f32), logsumexp and weights, on every ISA and kernel, over odd shapes, GQA, Lq ≠ Lk, one
 //! row, D and Dv tails, strided views, masks, key lengths and every score modifier; a 16-bit
-//! output is that f32 result rounded once. The one exception is the opt-in bf16 pair path
-//! (`FlashPath::Bf16Pairs`), which rounds the softmax weights to bf16: there the output must
-//! stay within that rounding's bound of the f32 result, the logsumexp and weights within f32
+//! output is that f32 result rounded once. The exceptions are the bf16 pair and tile paths
+//! (`FlashPath::Bf16Pairs`, `FlashPath::AmxTiles`), which round the softmax weights to bf16:
+//! there the output must stay within that rounding's bound of the f32 result, the logsumexp and weights within f32
 //! rounding. (tests/golden.rs holds the f64 goldens of these
 //! inputs; this file checks that nothing on the path treats 16-bit data differently.)
 
 mod common;
 
-use attnkit::kernels::{flash_path, FlashPath};
+use attnkit::kernels::flash_path;
 use attnkit::{
     bf16, choose_kernel, f16, sdpa, sdpa_ext, sdpa_vec, AttnError, Causal, Elem, Extras, Kernel,
     MaskRef, Operand, SdpaOptions, Tensor, TensorMut,
@@ -109,7 +109,7 @@ fn check<E: Operand + Elem>(rng: &mut SmallRng, shape: [usize; 7]) {
                     // Weights only where they cannot change the kernel (Auto would pick prefill).
                     let weights = kernel == Kernel::Prefill;
                     let pairs = choose_kernel(qs, ks, &opts) == Kernel::Prefill
-                        && flash_path(isa, E::DTYPE, E::DTYPE, d) == FlashPath::Bf16Pairs;
+                        && flash_path(isa, E::DTYPE, E::DTYPE, d).rounds_weights();
                     let run_f32 =
                         |v: &[f32], out: &mut Vec<f32>, lse: &mut Vec<f32>, w: &mut Vec<f32>| {
                             let o = if blhd {
@@ -206,8 +206,13 @@ fn check<E: Operand + Elem>(rng: &mut SmallRng, shape: [usize; 7]) {
         }
     }
     // The allocating entry point returns the same f32 output (dense (B, H, L, Dv)), on the
-    // default path (whatever `ATTNKIT_ISA` says: the opt-in pair path is not bitwise).
-    let opts = SdpaOptions::new().isa(attnkit::Isa::best());
+    // widest widening path (whatever `ATTNKIT_ISA` says: the pair and tile paths are not
+    // bitwise).
+    let widening = attnkit::Isa::available()
+        .into_iter()
+        .rfind(|&i| !matches!(i, attnkit::Isa::Avx512Bf16 | attnkit::Isa::Amx))
+        .unwrap();
+    let opts = SdpaOptions::new().isa(widening);
     let dense = sdpa_vec(
         &Tensor::bhld(&q, qs),
         &Tensor::bhld(&k, ks),

@@ -134,7 +134,7 @@ impl Layout {
         };
         Layout {
             st: key_block(d) * mp,
-            ot: dv.saturating_mul(mp),
+            ot: round_up(dv, 16).saturating_mul(mp),
             row: mp,
             widened: WideLens::new(m, mp, d, dv, ops).total(),
             pairs,
@@ -184,12 +184,14 @@ impl WideLens {
 }
 
 /// Buffer lengths of the bf16 pair path, in 32-bit units (one unit = one pair of bf16): Q̂ᵀ
-/// (`⌈d/2⌉ × mp`), Pᵀ (`⌈nb/2⌉ × mp`) and V (`⌈nb/2⌉ × dv`) in pairs along their reduction.
+/// (`⌈d/2⌉ × mp`), Pᵀ (`⌈nb/2⌉ × mp`) and V (`⌈nb/2⌉ × dv`) in pairs along their reduction; and
+/// for the tile path (`x86_64::amx`, which shares them) one key tile of 16 rows of `d` bf16.
 #[derive(Clone, Copy)]
 pub(crate) struct PairLens {
     pub(crate) qp: usize,
     pub(crate) pp: usize,
     pub(crate) vp: usize,
+    pub(crate) kt: usize,
 }
 
 impl PairLens {
@@ -199,11 +201,14 @@ impl PairLens {
             qp: d.div_ceil(2).saturating_mul(mp),
             pp: kb2 * mp,
             vp: round_up(dv, 16).saturating_mul(kb2),
+            kt: d.saturating_mul(8),
         }
     }
 
     fn total(&self) -> usize {
-        self.qp.saturating_add(self.pp).saturating_add(self.vp)
+        [self.qp, self.pp, self.vp, self.kt]
+            .into_iter()
+            .fold(0, usize::saturating_add)
     }
 }
 
@@ -337,6 +342,8 @@ impl Operands {
 /// `O = P·V`): everything else (masks, the online softmax, the output) is shared. [`Widened`] is
 /// the f32 form every ISA has; `x86_64::bf16` multiplies bf16 pairs.
 pub(crate) trait Products<S: Tiles + SimdDiv> {
+    /// Whether [`Products::direct`] exists (else a single key block goes through Oᵀ too).
+    const DIRECT: bool = true;
     /// Prepares the query block; `qscale` is the factor of the scores (base-2 units, divided by
     /// the softcap if there is one).
     ///
@@ -597,7 +604,8 @@ pub(crate) unsafe fn forward_on<'s, S: Tiles + SimdDiv, P: Products<S>>(
     );
     // Every sub-buffer is a lane multiple long, so each starts on a vector boundary too.
     let (st, rest) = aligned(scratch).split_at_mut(key_block(d) * mp);
-    let (ot, rest) = rest.split_at_mut(dv * mp);
+    // Oᵀ's rows are rounded up to 16: the tile path stores whole 16-row tiles.
+    let (ot, rest) = rest.split_at_mut(round_up(dv, 16) * mp);
     let (mrow, rest) = rest.split_at_mut(mp);
     let (lrow, rest) = rest.split_at_mut(mp);
     let (alpha, rest) = rest.split_at_mut(mp);
@@ -720,7 +728,7 @@ unsafe fn forward_with<S: Tiles + SimdDiv, P: Products<S>, F: Epilogue>(
             // Lanes < u·W of `s` are stale; the causal fill of `mask_block` sets them to −inf.
             mask_block::<S>(a, &rest_spec, j0, nb, mp, s);
             let rescale = online_softmax::<S>(s, nb, mp, mrow, lrow, alpha);
-            if first && j0 + nb == kmax && dv % w == 0 {
+            if P::DIRECT && first && j0 + nb == kmax && dv % w == 0 {
                 // The only key block (short sequences): O = diag(1/l)·P·V straight into the
                 // output rows, V as the vector operand, so no Oᵀ and no transpose back (the
                 // transpose was a sixth of the time at (2, 8, 10, 16)). Dv must fill whole

@@ -24,12 +24,18 @@ pub enum Isa {
     /// runs faster widened to f32; on AMD Zen 4/5 its rate relative to the FMA is higher but
     /// has not been measured here.
     Avx512Bf16,
+    /// [`Isa::Avx512Bf16`] plus AMX-BF16 tiles, with the tile state granted by the OS: bf16
+    /// attention (Q, K, V bf16, `d` a multiple of 32) multiplies on tiles (`tdpbf16ps`), with
+    /// the weights rounded to bf16 as on [`Isa::Avx512Bf16`] (see `FlashPath::AmxTiles`);
+    /// everything else runs the [`Isa::Avx512`] code. [`Isa::best`] picks it where it is
+    /// supported.
+    Amx,
 }
 
 /// `ATTNKIT_ISA` named a path that is unknown or that this CPU lacks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum IsaError {
-    /// The variable's value is not `scalar`, `avx2`, `avx512` or `avx512bf16`.
+    /// The variable's value is not `scalar`, `avx2`, `avx512`, `avx512bf16` or `amx`.
     Unknown(String),
     /// The named path exists but this CPU (or target) cannot run it.
     Unsupported(Isa),
@@ -41,7 +47,7 @@ impl fmt::Display for IsaError {
             IsaError::Unknown(s) => {
                 write!(
                     f,
-                    "ATTNKIT_ISA={s:?} is not one of scalar, avx2, avx512, avx512bf16"
+                    "ATTNKIT_ISA={s:?} is not one of scalar, avx2, avx512, avx512bf16, amx"
                 )
             }
             IsaError::Unsupported(isa) => {
@@ -70,6 +76,7 @@ impl FromStr for Isa {
             "avx2" => Ok(Isa::Avx2),
             "avx512" | "avx512f" => Ok(Isa::Avx512),
             "avx512bf16" | "avx512_bf16" => Ok(Isa::Avx512Bf16),
+            "amx" | "amx_bf16" | "amx-bf16" => Ok(Isa::Amx),
             _ => Err(IsaError::Unknown(s.to_string())),
         }
     }
@@ -77,7 +84,13 @@ impl FromStr for Isa {
 
 impl Isa {
     /// Every path this crate knows, slowest first.
-    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 5] = [
+        Isa::Scalar,
+        Isa::Avx2,
+        Isa::Avx512,
+        Isa::Avx512Bf16,
+        Isa::Amx,
+    ];
 
     /// Lower-case name, as `ATTNKIT_ISA` spells it.
     pub fn name(self) -> &'static str {
@@ -86,6 +99,7 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
             Isa::Avx512Bf16 => "avx512bf16",
+            Isa::Amx => "amx",
         }
     }
 
@@ -108,6 +122,8 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("avx512bf16")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Amx => Isa::Avx512Bf16.is_supported() && crate::x86_64::amx::granted(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -119,7 +135,8 @@ impl Isa {
     }
 
     /// The fastest supported path for every operand type, ignoring `ATTNKIT_ISA`: the widest
-    /// vectors the CPU has, never the opt-in [`Isa::Avx512Bf16`].
+    /// vectors the CPU has, and AMX where the OS grants it; never the opt-in
+    /// [`Isa::Avx512Bf16`].
     pub fn best() -> Isa {
         Isa::available()
             .into_iter()
@@ -159,7 +176,7 @@ impl Isa {
     pub fn lanes(self) -> usize {
         match self {
             Isa::Scalar | Isa::Avx2 => 8,
-            Isa::Avx512 | Isa::Avx512Bf16 => 16,
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => 16,
         }
     }
 }

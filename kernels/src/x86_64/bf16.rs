@@ -102,32 +102,45 @@ unsafe fn pair_gemm<F: Epilogue>(
 }
 
 /// The pair buffers (see the module docs), carved from the kernel's scratch.
-struct Pairs<'s> {
+pub(crate) struct Pairs<'s> {
     /// Q̂ᵀ in pairs: `d/2` rows of `mp` units.
-    qp: &'s mut [f32],
+    pub(crate) qp: &'s mut [f32],
     /// Pᵀ in pairs: `⌈nb/2⌉` rows of `mp` units.
-    pp: &'s mut [f32],
-    /// The current V block in pairs: `⌈nb/2⌉` rows of `dvp` units.
-    vp: &'s mut [f32],
+    pub(crate) pp: &'s mut [f32],
+    /// The current V block in pairs: `⌈nb/2⌉` rows of `dvp` units (the tile path keeps Vᵀ
+    /// here, the same size).
+    pub(crate) vp: &'s mut [f32],
     /// Row length of `vp`: `dv` rounded up to a vector.
     dvp: usize,
     /// The scores' factor (see [`Products::queries`]).
-    qscale: f32,
+    pub(crate) qscale: f32,
 }
 
 impl<'s> Pairs<'s> {
-    fn new(a: &FlashArgs, _ops: Operands, mp: usize, rest: &'s mut [f32]) -> Self {
+    fn new(a: &FlashArgs, ops: Operands, mp: usize, rest: &'s mut [f32]) -> Self {
+        Self::new_with_tail(a, ops, mp, rest).0
+    }
+
+    /// The buffers, and the one the tile path pads a key tile in (`PairLens::kt`).
+    pub(crate) fn new_with_tail(
+        a: &FlashArgs,
+        _ops: Operands,
+        mp: usize,
+        rest: &'s mut [f32],
+    ) -> (Self, &'s mut [f32]) {
         let lens = PairLens::new(mp, a.d, a.dv);
         let (qp, rest) = rest.split_at_mut(lens.qp);
         let (pp, rest) = rest.split_at_mut(lens.pp);
-        let vp = &mut rest[..lens.vp];
-        Pairs {
+        let (vp, rest) = rest.split_at_mut(lens.vp);
+        let kt = &mut rest[..lens.kt];
+        let pairs = Pairs {
             qp,
             pp,
             vp,
             dvp: a.dv.div_ceil(16) * 16,
             qscale: 1.0,
-        }
+        };
+        (pairs, kt)
     }
 
     /// Rows `2·jp`, `2·jp + 1` of `s` (`nb` rows of `mp`; a missing odd row is zero), lanes
@@ -136,7 +149,7 @@ impl<'s> Pairs<'s> {
     /// # Safety
     /// AVX-512 BF16 and BW enabled; `nb ≤ key_block(d)`, `lanes` a multiple of 16.
     #[inline(always)]
-    unsafe fn pack_p(&mut self, s: &[f32], nb: usize, lanes: usize, mp: usize) {
+    pub(crate) unsafe fn pack_p(&mut self, s: &[f32], nb: usize, lanes: usize, mp: usize) {
         // SAFETY: every access is inside `s` (`nb·mp`) or `pp` (`⌈nb/2⌉·mp`).
         unsafe {
             // Word 2i of the result is word i of the conversion (even key, lane i), word 2i+1

@@ -64,6 +64,7 @@ macro_rules! avx_transposes {
     };
 }
 
+pub(crate) mod amx;
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 pub(crate) mod bf16;
