@@ -18,11 +18,12 @@ pub enum Isa {
     /// PyTorch's bf16 attention does; see `FlashPath::Bf16Pairs`). Every other kernel, and every
     /// other operand type, runs the [`Isa::Avx512`] code.
     ///
-    /// Opt-in (`ATTNKIT_ISA=avx512bf16` or an explicit choice): [`Isa::best`] never picks it.
-    /// On Intel cores `vdpbf16ps` retires one per two cycles against two f32 FMAs per cycle
-    /// (measured on an Emerald Rapids Xeon: 32 against 64 flops per cycle), so bf16 attention
-    /// runs faster widened to f32; on AMD Zen 4/5 its rate relative to the FMA is higher but
-    /// has not been measured here.
+    /// [`Isa::best`] picks it on AMD CPUs only; elsewhere it is opt-in (`ATTNKIT_ISA=avx512bf16`
+    /// or an explicit choice). On Intel cores `vdpbf16ps` retires one per two cycles against
+    /// two f32 FMAs per cycle (measured on an Emerald Rapids Xeon: 32 against 64 flops per
+    /// cycle), so bf16 attention runs faster widened to f32 (0.57–0.69×); on AMD Zen 4 the
+    /// pairs run at 1.7–2.1× the widened kernel (bf16 (1,16,2048,64) and (1,8,2048,128), one
+    /// thread: 138–183 against 77–86 GFLOP/s).
     Avx512Bf16,
     /// [`Isa::Avx512Bf16`] plus AMX-BF16 tiles, with the tile state granted by the OS: bf16
     /// attention (Q, K, V bf16, `d` a multiple of 32) multiplies on tiles (`tdpbf16ps`), with
@@ -135,12 +136,13 @@ impl Isa {
     }
 
     /// The fastest supported path for every operand type, ignoring `ATTNKIT_ISA`: the widest
-    /// vectors the CPU has, and AMX where the OS grants it; never the opt-in
-    /// [`Isa::Avx512Bf16`].
+    /// vectors the CPU has, and AMX where the OS grants it; [`Isa::Avx512Bf16`] on AMD CPUs
+    /// only (see there why).
     pub fn best() -> Isa {
+        let amd = is_amd();
         Isa::available()
             .into_iter()
-            .rfind(|&i| i != Isa::Avx512Bf16)
+            .rfind(|&i| i != Isa::Avx512Bf16 || amd)
             .unwrap_or(Isa::Scalar)
     }
 
@@ -183,7 +185,7 @@ impl Isa {
 
 /// Whether the CPU is an AMD one (by the CPUID vendor string; cached). Some kernels walk memory
 /// differently on AMD and Intel cores, because their prefetchers reward different patterns
-/// (see [`crate::DecodeWalk`]).
+/// (see [`crate::DecodeWalk`]), and [`Isa::best`] picks the bf16 pair products on AMD only.
 pub(crate) fn is_amd() -> bool {
     static AMD: OnceLock<bool> = OnceLock::new();
     *AMD.get_or_init(|| {
