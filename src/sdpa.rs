@@ -29,9 +29,9 @@ use attnkit_kernels::{Elem, Operand, Stored};
 /// what the f32 call returns on the widened values, bit for bit; a 16-bit `out` is that result
 /// rounded once (to nearest even). `lse` and `weights` are always f32. The exceptions are Q, K
 /// and V all bf16 on [`Isa::Amx`](crate::Isa::Amx) (chosen by default where the CPU and OS
-/// allow it; `D` a multiple of 32) and on
-/// [`Isa::Avx512Bf16`](crate::Isa::Avx512Bf16) (the default on AMD CPUs): they round the softmax weights to bf16 for
-/// `P·V`, as PyTorch's bf16 attention does (see [`FlashPath`](crate::kernels::FlashPath));
+/// allow it; `D` a multiple of 32) and on [`Isa::Avx512Bf16`](crate::Isa::Avx512Bf16) (the
+/// default on AMD CPUs): they round the softmax weights to bf16 for `P·V`, as PyTorch's bf16
+/// attention does (see [`FlashPath`](crate::kernels::FlashPath));
 /// force `ATTNKIT_ISA=avx512` for the exact widening path.
 ///
 /// # Errors

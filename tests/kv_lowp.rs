@@ -112,7 +112,7 @@ fn case<E: Operand + Elem>(seed: u64) {
                             &opts,
                         )
                         .unwrap();
-                        // (`Auto` runs the decode kernel at these `Lq`.) The opt-in bf16 pair
+                        // (`Auto` runs the decode kernel at these `Lq`.) The bf16 pair
                         // path rounds the weights to bf16: each output is then within
                         // 2⁻⁸·Σⱼ pⱼ·|vⱼ| ≤ 2⁻⁸·max |v| of the f32 one (tests/lowp.rs checks the
                         // tight bound).

@@ -22,8 +22,8 @@ pub enum Isa {
     /// or an explicit choice). On Intel cores `vdpbf16ps` retires one per two cycles against
     /// two f32 FMAs per cycle (measured on an Emerald Rapids Xeon: 32 against 64 flops per
     /// cycle), so bf16 attention runs faster widened to f32 (0.57–0.69×); on AMD Zen 4 the
-    /// pairs run at 1.7–2.1× the widened kernel (bf16 (1,16,2048,64) and (1,8,2048,128), one
-    /// thread: 138–183 against 77–86 GFLOP/s).
+    /// pairs run at 1.8–1.9× the widened kernel (medians, bf16 (1,16,2048,64) and
+    /// (1,8,2048,128), one thread; BENCHMARKS.md).
     Avx512Bf16,
     /// [`Isa::Avx512Bf16`] plus AMX-BF16 tiles, with the tile state granted by the OS: bf16
     /// attention (Q, K, V bf16, `d` a multiple of 32) multiplies on tiles (`tdpbf16ps`), with
@@ -205,4 +205,29 @@ pub(crate) fn is_amd() -> bool {
             false
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The dispatch rule, with the vendor read from the OS rather than from `is_amd`'s CPUID.
+    #[test]
+    fn best_takes_the_bf16_pairs_on_amd_only() {
+        let best = Isa::best();
+        assert!(best.is_supported(), "{best}");
+        let amd = std::fs::read_to_string("/proc/cpuinfo")
+            .map(|s| s.contains("AuthenticAMD"))
+            .unwrap_or_else(|_| is_amd());
+        let want = Isa::available()
+            .into_iter()
+            .rfind(|&i| i != Isa::Avx512Bf16 || amd)
+            .unwrap();
+        assert_eq!(best, want);
+        if Isa::Amx.is_supported() {
+            assert_eq!(best, Isa::Amx);
+        } else if Isa::Avx512Bf16.is_supported() {
+            assert_eq!(best == Isa::Avx512Bf16, amd, "vendor AMD: {amd}");
+        }
+    }
 }
