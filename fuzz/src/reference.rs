@@ -86,7 +86,8 @@ impl Spec<'_> {
             dims: self.dims,
         };
         let group = hq / hkv.max(1);
-        let mut logits = vec![None; lk];
+        // With no rows (B, Hq or Lq zero) nothing bounds Lk: it may be huge.
+        let mut logits = vec![None; if rows == 0 { 0 } else { lk }];
         for b in 0..nb {
             for h in 0..hq {
                 let hk = h / group;
