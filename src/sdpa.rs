@@ -144,13 +144,14 @@ pub(crate) fn sdpa_scaled<Q: Elem, KV: Operand, O: Elem>(
 }
 
 /// Runs a validated plan: the cases with nothing to compute, then the driver of its kernel.
-fn execute<Q: Elem, KV: Operand, O: Elem>(p: &Plan<Q, KV, O>, par: Par) -> Result<()> {
+pub(crate) fn execute<Q: Elem, KV: Operand, O: Elem>(p: &Plan<Q, KV, O>, par: Par) -> Result<()> {
     let s = &p.shape;
     if s.b == 0 || s.hq == 0 || s.lq == 0 {
         return Ok(());
     }
-    if s.dv == 0 && p.lse.is_null() && p.weights.is_null() {
-        return Ok(()); // nothing to write
+    // Nothing to write: then every buffer may be empty, and nothing bounds B·Hq·Lq.
+    if s.dv == 0 && p.lse.is_null() && (p.weights.is_null() || s.lk == 0) {
+        return Ok(());
     }
     let unmasked = p.bias.is_none()
         && p.mask.is_none()

@@ -7,7 +7,8 @@
 mod common;
 
 use attnkit::kernels::{
-    decode_partial, partial_len, softmax_row, DecodeArgs, DecodeRow, DecodeWalk, ScoreSpec,
+    decode_partial, partial_len, softmax_row, DecodeArgs, DecodeRow, DecodeWalk, KvPages,
+    ScoreSpec,
 };
 use attnkit::{
     sdpa, sdpa_ext, sdpa_vec, AdditiveAttention, AdditiveOptions, AttnError, Causal, Extras,
@@ -200,6 +201,7 @@ fn decode_kernel_with_empty_rows_returns() {
                     j_end: 64,
                     scale: 0.5,
                     walk,
+                    pages: KvPages::contiguous(),
                 };
                 let mut part = vec![f32::NAN; partial_len(dv)];
                 let mut scratch = vec![0.0f32; attnkit::kernels::decode_scratch_len(d, dv)];
@@ -249,6 +251,29 @@ fn empty_rows_with_huge_key_count_return_at_once() {
                 assert_eq!(got, want, "{path:?} {causal:?} row {i}");
             }
         }
+    }
+}
+
+/// Hang (found by the fuzzer after #20's fixes): with `D = Dv = 0`, `Lk = 0` and weights asked
+/// for, every buffer is empty, so nothing bounds `B·Hq·Lq`, and prefill ran that many empty
+/// rows. There is nothing to write: the call returns at once.
+#[test]
+fn empty_weights_with_huge_row_count_return_at_once() {
+    let lq = 1usize << 40;
+    for path in [Kernel::Auto, Kernel::Prefill, Kernel::Decode] {
+        let opts = SdpaOptions::new().kernel(path);
+        sdpa_ext(
+            &Tensor::bhld(&[0.0f32; 0], [1, 2, lq, 0]),
+            &Tensor::bhld(&[0.0f32; 0], [1, 1, 0, 0]),
+            &Tensor::bhld(&[0.0f32; 0], [1, 1, 0, 0]),
+            &mut TensorMut::bhld(&mut [0.0f32; 0], [1, 2, lq, 0]),
+            &opts,
+            Extras {
+                lse: None,
+                weights: Some(&mut []),
+            },
+        )
+        .unwrap();
     }
 }
 
