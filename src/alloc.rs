@@ -20,6 +20,8 @@ pub(crate) unsafe trait Zeroable: Copy {}
 unsafe impl Zeroable for f32 {}
 // SAFETY: as above.
 unsafe impl Zeroable for usize {}
+// SAFETY: as above.
+unsafe impl Zeroable for u32 {}
 
 /// `n` zeros, or [`AttnError::Overflow`] / [`AttnError::Alloc`] naming `arg`.
 pub(crate) fn try_zeros<T: Zeroable>(arg: &'static str, n: usize) -> Result<Vec<T>> {

@@ -192,6 +192,7 @@ fn task<Q: Elem, KV: Operand, O: Elem>(
             j_end,
             scale: p.scale,
             walk: DecodeWalk::Auto,
+            pages: p.pages_at(b),
         };
         // SAFETY: rows, K/V and masks are in bounds for keys < j_end ≤ Lk; `dst` holds
         // `nrows` partial rows of `pl` floats owned by this task; the ISA was checked.

@@ -67,6 +67,20 @@ pub enum AttnError {
         /// Tokens it can hold.
         capacity: usize,
     },
+    /// A paged KV cache's pool has too few free pages for an append (nothing was written).
+    PoolExhausted {
+        /// Pages the append needs.
+        needed: usize,
+        /// Pages free in the pool.
+        free: usize,
+    },
+    /// A paged KV cache sequence that does not exist (never made, or freed).
+    UnknownSequence {
+        /// The argument that named it.
+        arg: &'static str,
+        /// Its id.
+        seq: u64,
+    },
     /// A value an int8 KV cache cannot quantise (NaN or infinite): the row's scale would not be
     /// finite. The append is refused whole.
     NonFinite {
@@ -187,6 +201,14 @@ impl fmt::Display for AttnError {
             AttnError::Capacity { batch, len, append, capacity } => write!(
                 f,
                 "KV cache sequence {batch} holds {len} tokens; appending {append} exceeds its capacity {capacity}"
+            ),
+            AttnError::PoolExhausted { needed, free } => write!(
+                f,
+                "paged KV cache: the append needs {needed} pages; the pool has {free} free"
+            ),
+            AttnError::UnknownSequence { arg, seq } => write!(
+                f,
+                "`{arg}`: paged KV cache sequence {seq} does not exist (never made, or freed)"
             ),
             AttnError::NonFinite { arg, batch, head, token } => write!(
                 f,

@@ -21,6 +21,7 @@ mod kv_cache;
 mod layers;
 mod merge;
 mod options;
+mod paged_cache;
 mod pages;
 mod plan;
 mod prefill;
@@ -40,6 +41,7 @@ pub use layers::{
 };
 pub use merge::{merge, Partial};
 pub use options::{alibi_slopes, AttnMask, Causal, Extras, Kernel, MaskRef, Par, SdpaOptions};
+pub use paged_cache::{PagedKvCache, SeqId};
 pub use pages::{advise_huge_pages, AlignedBuf};
 pub use plan::choose_kernel;
 pub use sdpa::{sdpa, sdpa_ext, sdpa_int8, sdpa_vec};

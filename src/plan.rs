@@ -7,7 +7,7 @@ use crate::error::{AttnError, Result};
 use crate::exec::resolve_isa;
 use crate::options::{Causal, Extras, Kernel, MaskRef, SdpaOptions};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::{visible_range, Alibi, Dtype, Elem, Isa, ScoreSpec, Stored};
+use attnkit_kernels::{visible_range, Alibi, Dtype, Elem, Isa, KvPages, ScoreSpec, Stored};
 
 /// Whether [`Kernel::Auto`] picks the decode kernel for `lq` queries against `lk` keys. The
 /// decode kernel reads K and V once per GQA group but pays a reduction per (row, key); the tiled
@@ -77,6 +77,36 @@ fn scales_plan(
 
 /// Everything validated, as raw parts the tasks can share: Q of element type `Q`, K and V of
 /// `KV`, the output of `O`.
+/// A paged cache's keys and values for [`Plan::new_paged`]: pools of `(pages, Hkv, P, D)` K,
+/// `(pages, Hkv, P, Dv)` V and, for int8, `(pages, Hkv, P)` scales each, `P = 2^shift` tokens a
+/// page; sequence `b`'s key `j` in page `table[b·per_seq + j/P]`. The owner guarantees every
+/// table entry names a page of the pools and every sequence has `per_seq` entries (padded).
+pub(crate) struct PagedKv<'a, KV> {
+    pub(crate) k: &'a [KV],
+    pub(crate) v: &'a [KV],
+    pub(crate) k_scales: &'a [f32],
+    pub(crate) v_scales: &'a [f32],
+    pub(crate) hkv: usize,
+    pub(crate) d: usize,
+    pub(crate) dv: usize,
+    /// Keys of the longest sequence.
+    pub(crate) lk: usize,
+    pub(crate) shift: u32,
+    pub(crate) table: &'a [u32],
+    pub(crate) per_seq: usize,
+}
+
+/// The page table part of a plan over a paged cache (see [`PagedKv`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PagesPlan {
+    table: *const u32,
+    per_seq: usize,
+    shift: u32,
+    k_stride: usize,
+    v_stride: usize,
+    scale_stride: usize,
+}
+
 pub(crate) struct Plan<Q = f32, KV = f32, O = f32> {
     pub(crate) isa: Isa,
     pub(crate) shape: Shape,
@@ -103,6 +133,9 @@ pub(crate) struct Plan<Q = f32, KV = f32, O = f32> {
     pub(crate) sinks: Option<*const f32>,
     pub(crate) lse: *mut f32,
     pub(crate) weights: *mut f32,
+    /// K and V in the pages of a paged cache: `k`, `v` and the scales address page 0 (strides
+    /// `[0, P·D, D]`), the table the rest. Only the decode kernel reads pages.
+    pub(crate) pages: Option<PagesPlan>,
 }
 
 // SAFETY: the pointers come from borrows that outlive the `Plan` (it lives inside `sdpa_ext`),
@@ -202,11 +235,98 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
             let (v, vs) = scales_plan("v_scales", vsc, v.shape)?;
             plan.scales = Some(ScalesPlan { k, ks, v, vs });
         }
+        plan.bind_out(out)?;
+        Ok(plan)
+    }
+
+    /// Validates a call on a paged cache as [`Plan::new`] does, with `kv` in place of K, V and
+    /// their scales. Only the decode kernel walks page tables: [`Kernel::Auto`] takes it, a
+    /// forced other kernel and `weights` (which the decode kernel does not produce) are refused.
+    pub(crate) fn new_paged(
+        q: &Tensor<Q>,
+        kv: &PagedKv<KV>,
+        out: &mut TensorMut<O>,
+        opts: &SdpaOptions,
+        extras: &mut Extras,
+    ) -> Result<Self> {
+        if !matches!(opts.kernel, Kernel::Auto | Kernel::Decode) {
+            return Err(AttnError::BadParam {
+                arg: "kernel",
+                reason: "a paged KV cache is read by the decode kernel only",
+            });
+        }
+        if extras.weights.is_some() {
+            return Err(AttnError::BadParam {
+                arg: "weights",
+                reason: "a paged KV cache is read by the decode kernel, which gives no weights",
+            });
+        }
+        // Shape-only stand-ins for K and V (stride 0 everywhere, so any non-empty pool covers
+        // them): `validate` checks everything else against them.
+        let b = q.shape[0];
+        fn stand_in<'a, KV: Stored>(x: &'a [KV], shape: [usize; 4]) -> Option<Tensor<'a, KV>> {
+            let need = if shape.contains(&0) { 0 } else { shape[3] };
+            Some(Tensor::strided(x.get(..need)?, shape, [0; 3]))
+        }
+        let k = stand_in(kv.k, [b, kv.hkv, kv.lk, kv.d]);
+        let v = stand_in(kv.v, [b, kv.hkv, kv.lk, kv.dv]);
+        let (Some(k), Some(v)) = (k, v) else {
+            // Rows to read but no page in the pool: the owner broke its contract.
+            return Err(AttnError::BadParam {
+                arg: "cache",
+                reason: "paged cache pool smaller than a page",
+            });
+        };
+        let mut plan = Plan::validate(q, &k, &v, out.shape, opts, extras)?;
+        plan.kernel = Kernel::Decode;
+        let page = 1usize << kv.shift;
+        let (pk, pv) = (page * kv.d, page * kv.dv);
+        plan.k = kv.k.as_ptr();
+        plan.ks = [0, pk, kv.d];
+        plan.v = kv.v.as_ptr();
+        plan.vs = [0, pv, kv.dv];
+        if KV::DTYPE == Dtype::I8 {
+            plan.scales = Some(ScalesPlan {
+                k: kv.k_scales.as_ptr(),
+                ks: [0, page],
+                v: kv.v_scales.as_ptr(),
+                vs: [0, page],
+            });
+        }
+        plan.pages = Some(PagesPlan {
+            table: kv.table.as_ptr(),
+            per_seq: kv.per_seq,
+            shift: kv.shift,
+            k_stride: kv.hkv * pk,
+            v_stride: kv.hkv * pv,
+            scale_stride: kv.hkv * page,
+        });
+        plan.bind_out(out)?;
+        Ok(plan)
+    }
+
+    /// Checks `out` and makes it the destination.
+    fn bind_out(&mut self, out: &mut TensorMut<O>) -> Result<()> {
         check_len("out", out.data.len(), out.shape, out.strides)?;
         check_disjoint("out", out.shape, out.strides)?;
-        plan.o = out.data.as_mut_ptr();
-        plan.os = used_strides(plan.shape.dv, out.shape, out.strides);
-        Ok(plan)
+        self.o = out.data.as_mut_ptr();
+        self.os = used_strides(self.shape.dv, out.shape, out.strides);
+        Ok(())
+    }
+
+    /// How the decode kernel addresses batch `b`'s K and V rows.
+    pub(crate) fn pages_at(&self, b: usize) -> KvPages {
+        match self.pages {
+            Some(p) => KvPages {
+                // SAFETY: (offset) the table holds `per_seq` entries for every batch.
+                table: unsafe { p.table.add(b * p.per_seq) },
+                shift: p.shift,
+                k_stride: p.k_stride,
+                v_stride: p.v_stride,
+                scale_stride: p.scale_stride,
+            },
+            None => KvPages::contiguous(),
+        }
     }
 
     /// Validates the inputs, options and extras against an output of shape `out_shape`; the
@@ -375,6 +495,7 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
             sinks,
             lse,
             weights,
+            pages: None,
         })
     }
 

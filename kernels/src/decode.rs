@@ -84,6 +84,70 @@ pub struct DecodeRow<Q: Elem = f32> {
     pub spec: ScoreSpec,
 }
 
+/// Where key rows live: one run of rows (a contiguous cache), or fixed-size pages of a pool (a
+/// paged cache, vLLM's block table).
+///
+/// Key `j` lies in page `table[j >> shift]`, at row `j & (2^shift − 1)` of it; the page's rows of
+/// one KV head start `page · k_stride` elements after [`DecodeArgs::k`] (`v_stride` after
+/// [`DecodeArgs::v`], `scale_stride` after the scale pointers), rows `ldk` / `ldv` apart. The
+/// contiguous form is one page of `2^63` rows: the same arithmetic, so both forms run the same
+/// code and give bitwise the same result for the same rows (a paged cache is tested equal to a
+/// contiguous one). Only the key range's rows and, for prefetches, rows below `j_end` are looked
+/// up, so `table` needs an entry for every page a key `< j_end` falls in.
+#[derive(Clone, Copy, Debug)]
+pub struct KvPages {
+    /// Page index of each run of `2^shift` keys.
+    pub table: *const u32,
+    /// log2 of the keys per page.
+    pub shift: u32,
+    /// Elements from one page to the next in K, in V, and in the int8 scales.
+    pub k_stride: usize,
+    /// See `k_stride`.
+    pub v_stride: usize,
+    /// See `k_stride`.
+    pub scale_stride: usize,
+}
+
+/// The page table of the contiguous form: every key in page 0.
+static ONE_PAGE: [u32; 1] = [0];
+
+impl KvPages {
+    /// Rows `j` at `k + j·ldk` (and likewise V and the scales): no pages.
+    pub fn contiguous() -> Self {
+        KvPages {
+            table: ONE_PAGE.as_ptr(),
+            shift: usize::BITS - 1,
+            k_stride: 0,
+            v_stride: 0,
+            scale_stride: 0,
+        }
+    }
+
+    /// Element offset of row `j` (rows `ld` apart, pages `stride` apart).
+    ///
+    /// # Safety
+    /// `table` has an entry for page `j >> shift`.
+    #[inline(always)]
+    unsafe fn at(&self, j: usize, stride: usize, ld: usize) -> usize {
+        let mask = (1usize << self.shift) - 1;
+        // SAFETY: the caller's contract.
+        let page = unsafe { *self.table.add(j >> self.shift) } as usize;
+        page * stride + (j & mask) * ld
+    }
+
+    /// The first key past the page of key `j`.
+    #[inline(always)]
+    fn page_end(&self, j: usize) -> usize {
+        (j | ((1usize << self.shift) - 1)).saturating_add(1)
+    }
+}
+
+impl Default for KvPages {
+    fn default() -> Self {
+        KvPages::contiguous()
+    }
+}
+
 /// A group of rows sharing K and V, and the key range `[j_begin, j_end)` to process. K and V are
 /// read as `KV` (any [`Stored`] type, widened to f32 on load; `i8` rows times their scales).
 #[derive(Clone, Copy, Debug)]
@@ -94,11 +158,11 @@ pub struct DecodeArgs<'a, Q: Elem = f32, KV: Stored = f32> {
     pub d: usize,
     /// Head dimension of V.
     pub dv: usize,
-    /// Key row `j` at `k + j*ldk`.
+    /// Key row `j` at `k + j*ldk` (in a paged cache: see [`KvPages`]).
     pub k: *const KV,
     /// Row stride of K.
     pub ldk: usize,
-    /// Value row `j` at `v + j*ldv`.
+    /// Value row `j` at `v + j*ldv` (as `k`).
     pub v: *const KV,
     /// Row stride of V.
     pub ldv: usize,
@@ -115,6 +179,32 @@ pub struct DecodeArgs<'a, Q: Elem = f32, KV: Stored = f32> {
     pub scale: f32,
     /// How K and V are walked (speed only; every walk gives the same result).
     pub walk: DecodeWalk,
+    /// How rows are addressed: [`KvPages::contiguous`] for `k + j·ldk`, or a page table.
+    pub pages: KvPages,
+}
+
+impl<Q: Elem, KV: Stored> DecodeArgs<'_, Q, KV> {
+    /// Key row `j`.
+    ///
+    /// # Safety
+    /// `j < j_end`.
+    #[inline(always)]
+    unsafe fn k_row(&self, j: usize) -> *const KV {
+        // SAFETY: the caller's contract and the struct's.
+        unsafe { self.k.add(self.pages.at(j, self.pages.k_stride, self.ldk)) }
+    }
+    /// Value row `j`; as [`Self::k_row`].
+    #[inline(always)]
+    unsafe fn v_row(&self, j: usize) -> *const KV {
+        // SAFETY: as `k_row`.
+        unsafe { self.v.add(self.pages.at(j, self.pages.v_stride, self.ldv)) }
+    }
+    /// The int8 scale of row `j` in `scales` (`k_scale` or `v_scale`); as [`Self::k_row`].
+    #[inline(always)]
+    unsafe fn scale(&self, scales: *const f32, j: usize) -> f32 {
+        // SAFETY: as `k_row`; int8 rows have scales.
+        unsafe { *scales.add(self.pages.at(j, self.pages.scale_stride, 1)) }
+    }
 }
 
 /// Floats of one row's partial result: `[m, l, o_0 … o_{dv−1}]`.
@@ -281,7 +371,7 @@ unsafe fn decode_rows<
                     // The sums are taken; P·V weighs each int8 value row by its scale.
                     for r in 0..R {
                         for (k, p) in scur[r * KB..r * KB + nk].iter_mut().enumerate() {
-                            *p *= *a.v_scale.add(jb + k);
+                            *p *= a.scale(a.v_scale, jb + k);
                         }
                     }
                 }
@@ -329,29 +419,37 @@ unsafe fn pv_block<
     dvp: usize,
 ) {
     const KB: usize = DECODE_KEY_BLOCK;
-    let blk = PvBlock {
-        // SAFETY: key `jb + k0` lies in the range the contract covers.
-        v: unsafe { a.v.add((jb + k0) * a.ldv) },
-        ldv: a.ldv,
-        dv: a.dv,
-        dvp,
-        nk: k1 - k0,
-    };
-    let mut r0 = 0;
-    // SAFETY: row groups stay inside the R rows of `p` and `o`.
-    unsafe {
-        while r0 + RG <= R {
-            let (pp, op) = (p.as_ptr().add(r0 * KB + k0), o.as_mut_ptr().add(r0 * dvp));
-            pv_rows::<S, KV, RG, NC>(&blk, pp, op);
-            r0 += RG;
+    // One pass per page the keys span (one in a contiguous cache). Each output element still
+    // takes its keys' products in key order, so the split changes no bit.
+    let mut k = k0;
+    while k < k1 {
+        let ks = k1.min(a.pages.page_end(jb + k) - jb);
+        let blk = PvBlock {
+            // SAFETY: key `jb + k` lies in the range the contract covers.
+            v: unsafe { a.v_row(jb + k) },
+            ldv: a.ldv,
+            dv: a.dv,
+            dvp,
+            nk: ks - k,
+        };
+        let mut r0 = 0;
+        // SAFETY: row groups stay inside the R rows of `p` and `o`; the block's rows lie in
+        // one page.
+        unsafe {
+            while r0 + RG <= R {
+                let (pp, op) = (p.as_ptr().add(r0 * KB + k), o.as_mut_ptr().add(r0 * dvp));
+                pv_rows::<S, KV, RG, NC>(&blk, pp, op);
+                r0 += RG;
+            }
+            let (pp, op) = (p.as_ptr().add(r0 * KB + k), o.as_mut_ptr().add(r0 * dvp));
+            match R - r0 {
+                1 => pv_rows::<S, KV, 1, NC>(&blk, pp, op),
+                2 => pv_rows::<S, KV, 2, NC>(&blk, pp, op),
+                3 => pv_rows::<S, KV, 3, NC>(&blk, pp, op),
+                _ => {}
+            }
         }
-        let (pp, op) = (p.as_ptr().add(r0 * KB + k0), o.as_mut_ptr().add(r0 * dvp));
-        match R - r0 {
-            1 => pv_rows::<S, KV, 1, NC>(&blk, pp, op),
-            2 => pv_rows::<S, KV, 2, NC>(&blk, pp, op),
-            3 => pv_rows::<S, KV, 3, NC>(&blk, pp, op),
-            _ => {}
-        }
+        k = ks;
     }
 }
 
@@ -399,7 +497,7 @@ unsafe fn scores<
             let mut kp = [a.k; KEYS];
             for (k, p) in kp.iter_mut().enumerate() {
                 // A short last group repeats its last key (computed, not stored).
-                *p = a.k.add((jb + jj + k.min(live - 1)) * a.ldk);
+                *p = a.k_row(jb + jj + k.min(live - 1));
             }
             let acc = if KM {
                 dots_key_major::<S, KV, R, KEYS>(kp, q, dp, dfull)
@@ -413,8 +511,14 @@ unsafe fn scores<
                 } else {
                     0
                 };
-                let kpf = Lines::new(a.k.wrapping_add(jp * a.ldk), a.ldk, d, npf);
-                let vpf = Lines::new(a.v.wrapping_add(jp * a.ldv), a.ldv, a.dv, npf);
+                // Rows past a page's end are requested at the wrong address, harmlessly.
+                let (kpf, vpf) = if npf > 0 {
+                    (a.k_row(jp), a.v_row(jp))
+                } else {
+                    (a.k, a.v)
+                };
+                let kpf = Lines::new(kpf, a.ldk, d, npf);
+                let vpf = Lines::new(vpf, a.ldv, a.dv, npf);
                 dots_chunk_major::<S, KV, R, KEYS>(kp, q, dp, dfull, kpf, vpf)
             };
             let mut regs = [S::splat(0.0); 16];
@@ -426,13 +530,13 @@ unsafe fn scores<
             S::store(sums.as_mut_ptr(), S::hsums(&regs[..w]));
             for r in 0..R {
                 for k in 0..live {
-                    let kp = a.k.add((jb + jj + k) * a.ldk);
+                    let kp = a.k_row(jb + jj + k);
                     let mut x = sums[r * KEYS + k];
                     for p in dfull..d {
                         x += *q.add(r * dp + p) * get(kp.add(p));
                     }
                     if KV::DTYPE == Dtype::I8 {
-                        x *= *a.k_scale.add(jb + jj + k);
+                        x *= a.scale(a.k_scale, jb + jj + k);
                     }
                     *s.add(r * KB + jj + k) = x;
                 }

@@ -34,7 +34,7 @@ mod simd;
 mod x86_64;
 
 pub use decode::{
-    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk,
+    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk, KvPages,
     DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
 };
 pub use elem::{Dtype, Elem, Stored};

@@ -8,7 +8,7 @@
 use attnkit_kernels::{
     bf16, decode_partial, decode_partial_as, decode_scratch_len, f16, flash_forward,
     flash_forward_as, flash_path, merge_partials, partial_len, reference, scratch_len_as,
-    DecodeArgs, DecodeRow, DecodeWalk, Elem, FlashArgs, Isa, Operand, ScoreSpec,
+    DecodeArgs, DecodeRow, DecodeWalk, Elem, FlashArgs, Isa, KvPages, Operand, ScoreSpec,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -222,6 +222,7 @@ fn decode<Q: Elem, KV: Elem>(
             j_end,
             scale: 1.0 / (d as f32).sqrt(),
             walk,
+            pages: KvPages::contiguous(),
         };
         kernel(&args, parts[c * rows * pl..].as_mut_ptr(), pl, &mut scratch);
     }

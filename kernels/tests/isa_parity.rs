@@ -298,7 +298,7 @@ fn split_then_merge_heads_round_trips() {
 fn decode_partials_merge_to_reference() {
     use attnkit_kernels::{
         decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
-        DecodeWalk,
+        DecodeWalk, KvPages,
     };
     let mut rng = SmallRng::seed_from_u64(4);
     for isa in isas() {
@@ -372,6 +372,7 @@ fn decode_partials_merge_to_reference() {
                     j_end: ((c + 1) * step).min(n),
                     scale,
                     walk,
+                    pages: KvPages::contiguous(),
                 };
                 // SAFETY: buffers cover every extent in `args`; the ISA is supported.
                 unsafe {
@@ -433,7 +434,7 @@ fn decode_partials_merge_to_reference() {
 fn decode_split_counts_agree_with_unsplit() {
     use attnkit_kernels::{
         decode_partial, decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow,
-        DecodeWalk,
+        DecodeWalk, KvPages,
     };
     let mut rng = SmallRng::seed_from_u64(5);
     let (n, d, dv, rows_n) = (3001usize, 128usize, 128usize, 4usize);
@@ -467,6 +468,7 @@ fn decode_split_counts_agree_with_unsplit() {
                     j_end: ((c + 1) * step).min(n),
                     scale: 0.088,
                     walk: DecodeWalk::Auto,
+                    pages: KvPages::contiguous(),
                 };
                 // SAFETY: buffers cover every extent in `args`; the ISA is supported.
                 unsafe {

@@ -5,7 +5,7 @@ use attnkit::kernels::reference;
 use attnkit::unfused::{sdpa_unfused_with, Backend};
 use attnkit::{
     bf16, choose_kernel, f16, sdpa, sdpa_int8, AlignedBuf, Causal, Dtype, Elem, Isa, Kernel,
-    Operand, SdpaOptions, Stored, Tensor, TensorMut,
+    Operand, PagedKvCache, SdpaOptions, SeqId, Stored, Tensor, TensorMut,
 };
 
 /// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed, each buffer starting on a
@@ -18,6 +18,106 @@ pub struct Inputs {
     /// a type is not f32, `q`, `k`, `v` hold the same values widened, so every implementation
     /// computes on the same numbers.
     pub typed: [Typed; 3],
+    /// K and V in a paged cache of `--paged` tokens a page, in `--kv-dtype`, pages scattered
+    /// over the pool (decode cases under `--paged` only).
+    pub paged: Option<Paged>,
+}
+
+/// A paged cache holding one case's K and V, sequence `b` of the case being `ids[b]`.
+pub struct Paged {
+    cache: PagedCache,
+    ids: Vec<SeqId>,
+}
+
+enum PagedCache {
+    F32(PagedKvCache<f32>),
+    Bf16(PagedKvCache<bf16>),
+    F16(PagedKvCache<f16>),
+    I8(PagedKvCache<i8>),
+}
+
+impl Paged {
+    /// The case's K and V (as `typed` holds them; int8 from the dequantised values, which
+    /// quantise back to the same rows) in a paged cache of `page` tokens a page. The pool's free
+    /// pages are shuffled first (a fixed permutation), so a sequence's pages lie scattered as
+    /// in a long-running server's pool, not in address order.
+    fn new(case: &Case, k: &[f32], v: &[f32], typed: &[Typed], page: usize) -> Paged {
+        fn fill<E: Operand, A: Elem>(
+            case: &Case,
+            k: &[A],
+            v: &[A],
+            page: usize,
+        ) -> (PagedKvCache<E>, Vec<SeqId>) {
+            let pages = case.b * case.lk.div_ceil(page);
+            let mut c = PagedKvCache::<E>::new_of(case.hkv, case.d, case.d, page, pages)
+                .expect("paged cache");
+            // A multiplicative permutation of the pages: n coprime to a large odd step.
+            let n = c.free_pages();
+            let step = (0..)
+                .map(|i| 0x9E37_79B9 + 2 * i)
+                .find(|s| gcd(*s, n) == 1)
+                .unwrap_or(1);
+            let order: Vec<usize> = (0..n).map(|i| i * step % n.max(1)).collect();
+            c.shuffle_free_pages(&order).expect("a permutation");
+            let per = case.hkv * case.lk * case.d;
+            let shape = [1, case.hkv, case.lk, case.d];
+            let ids = (0..case.b)
+                .map(|b| {
+                    let id = c.add_sequence();
+                    let (kb, vb) = (&k[b * per..][..per], &v[b * per..][..per]);
+                    c.append(&[id], &Tensor::bhld(kb, shape), &Tensor::bhld(vb, shape))
+                        .expect("append");
+                    id
+                })
+                .collect();
+            (c, ids)
+        }
+        fn gcd(a: usize, b: usize) -> usize {
+            if b == 0 {
+                a
+            } else {
+                gcd(b, a % b)
+            }
+        }
+        let (cache, ids) = match typed {
+            [Typed::Bf16(k), Typed::Bf16(v)] => {
+                let (c, ids) = fill::<bf16, bf16>(case, k, v, page);
+                (PagedCache::Bf16(c), ids)
+            }
+            [Typed::F16(k), Typed::F16(v)] => {
+                let (c, ids) = fill::<f16, f16>(case, k, v, page);
+                (PagedCache::F16(c), ids)
+            }
+            [Typed::I8(..), Typed::I8(..)] => {
+                let (c, ids) = fill::<i8, f32>(case, k, v, page);
+                (PagedCache::I8(c), ids)
+            }
+            _ => {
+                let (c, ids) = fill::<f32, f32>(case, k, v, page);
+                (PagedCache::F32(c), ids)
+            }
+        };
+        Paged { cache, ids }
+    }
+
+    /// `Some(reason)` for cases a paged cache's attention does not compute as the others do.
+    fn suits(case: &Case) -> Option<String> {
+        // The cache's attention is bottom-right causal: for one query row, no mask at all.
+        (case.causal || case.lq != 1)
+            .then(|| "fused-paged: decode cases (Lq = 1, not causal)".into())
+    }
+
+    fn attend<Q: Elem>(&self, case: &Case, q: &[Q], out: &mut [f32], opts: &SdpaOptions) {
+        let qt = Tensor::bhld(q, [case.b, case.h, case.lq, case.d]);
+        let mut o = TensorMut::bhld(out, [case.b, case.h, case.lq, case.d]);
+        let r = match &self.cache {
+            PagedCache::F32(c) => c.attend(&self.ids, &qt, &mut o, opts),
+            PagedCache::Bf16(c) => c.attend(&self.ids, &qt, &mut o, opts),
+            PagedCache::F16(c) => c.attend(&self.ids, &qt, &mut o, opts),
+            PagedCache::I8(c) => c.attend(&self.ids, &qt, &mut o, opts),
+        };
+        r.expect("paged attend failed");
+    }
 }
 
 /// One input in the type our kernels read it in: the f32 buffer itself, a 16-bit copy, or int8
@@ -104,7 +204,17 @@ impl Inputs {
             Typed::of(kv, &mut k, case.d),
             Typed::of(kv, &mut v, case.d),
         ];
-        Inputs { q, k, v, typed }
+        let paged = m
+            .paged
+            .filter(|_| Paged::suits(case).is_none())
+            .map(|page| Paged::new(case, &k, &v, &typed[1..], page));
+        Inputs {
+            q,
+            k,
+            v,
+            typed,
+            paged,
+        }
     }
 }
 
@@ -143,6 +253,7 @@ pub const NAMES: &[&str] = &[
     "fused",
     "fused-prefill",
     "fused-decode",
+    "fused-paged",
     "read-kv",
     "unfused-mm",
     "unfused-blas",
@@ -212,6 +323,8 @@ pub struct Modifiers {
     pub dtype: Dtype,
     /// Element type of K and V for our fused kernels (`--kv-dtype`).
     pub kv_dtype: Option<Dtype>,
+    /// Tokens per page of `fused-paged`'s cache (`--paged`).
+    pub paged: Option<usize>,
 }
 
 static MODIFIERS: std::sync::Mutex<Modifiers> = std::sync::Mutex::new(Modifiers {
@@ -220,6 +333,7 @@ static MODIFIERS: std::sync::Mutex<Modifiers> = std::sync::Mutex::new(Modifiers 
     sinks: false,
     dtype: Dtype::F32,
     kv_dtype: None,
+    paged: None,
 });
 
 /// The modifiers, for the argument parser to set.
@@ -324,6 +438,35 @@ impl Impl for Fused {
             Typed::F32 => sdpa_in(case, &inp.q[..], inp, out, &opts),
             Typed::Bf16(q) => sdpa_in(case, q, inp, out, &opts),
             Typed::F16(q) => sdpa_in(case, q, inp, out, &opts),
+            Typed::I8(..) => unreachable!("queries are never int8"),
+        }
+    }
+}
+
+/// `PagedKvCache::attend`: the decode kernel reading K and V through page tables
+/// (`fused-paged`; `--paged PAGE` sets the page length).
+struct FusedPaged;
+
+impl Impl for FusedPaged {
+    fn name(&self) -> &'static str {
+        "fused-paged"
+    }
+    fn isa_label(&self, isa: Isa, _case: &Case) -> String {
+        format!("{}/decode", isa.name())
+    }
+    fn skip(&self, case: &Case) -> Option<String> {
+        Paged::suits(case)
+    }
+    fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
+        let paged = inp
+            .paged
+            .as_ref()
+            .expect("--paged builds the cache of decode cases");
+        let opts = options(case, isa);
+        match &inp.typed[0] {
+            Typed::F32 => paged.attend(case, &inp.q[..], out, &opts),
+            Typed::Bf16(q) => paged.attend(case, q, out, &opts),
+            Typed::F16(q) => paged.attend(case, q, out, &opts),
             Typed::I8(..) => unreachable!("queries are never int8"),
         }
     }
@@ -479,6 +622,10 @@ pub fn by_name(name: &str, naive_max_macs: f64) -> Result<Box<dyn Impl>, String>
         "fused" => Ok(Box::new(Fused("fused", Kernel::Auto))),
         "fused-prefill" => Ok(Box::new(Fused("fused-prefill", Kernel::Prefill))),
         "fused-decode" => Ok(Box::new(Fused("fused-decode", Kernel::Decode))),
+        "fused-paged" if modifiers().paged.is_none() => {
+            Err("fused-paged: give the page length with --paged PAGE".into())
+        }
+        "fused-paged" => Ok(Box::new(FusedPaged)),
         "read-kv" => Ok(Box::new(ReadKv)),
         "unfused-mm" => Ok(Box::new(Unfused("unfused-mm", Backend::MatrixMultiply))),
         #[cfg(feature = "blas")]

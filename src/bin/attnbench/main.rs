@@ -75,6 +75,9 @@ RUN
                       scale, as KvCache<i8> does (sdpa_int8), and every implementation then
                       computes on the dequantised values; KV GB/s counts T's bytes (int8: the
                       values plus 4 bytes of scale a row)
+  --paged PAGE        K and V of fused-paged (opt-in: --impl fused,fused-paged,read-kv) in a
+                      PagedKvCache of PAGE tokens a page (a power of two), in --kv-dtype, its
+                      pages scattered over the pool; decode cases (Lq = 1, not causal) only
   --naive-max M       largest case for naive, in millions of multiply-adds (default 32)
   --peak GFLOPS       one thread's FMA peak, instead of the probe (scaled by the thread count)
 OUTPUT
@@ -242,6 +245,15 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
             "--dtype" => impls::modifiers_mut().dtype = dtype("--dtype", &value(&mut it)?, false)?,
             "--kv-dtype" => {
                 impls::modifiers_mut().kv_dtype = Some(dtype("--kv-dtype", &value(&mut it)?, true)?)
+            }
+            "--paged" => {
+                let page = int(value(&mut it)?)?;
+                if !page.is_power_of_two() {
+                    return Err(format!(
+                        "--paged {page}: the page length must be a power of two"
+                    ));
+                }
+                impls::modifiers_mut().paged = Some(page);
             }
             "--cold" => cfg.cold = true,
             "--naive-max" => cfg.naive_max = num(value(&mut it)?)? * 1e6,

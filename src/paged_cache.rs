@@ -1,0 +1,515 @@
+//! A paged key/value cache (vLLM's block table): keys and values of many sequences live in
+//! fixed-size pages of one shared pool, each sequence has a page table, and sequences can share
+//! pages (a common prompt, beam-search branches) until one of them writes.
+
+use crate::alloc::{checked_len, try_zeros};
+use crate::error::{AttnError, Result};
+use crate::options::{Causal, Extras, SdpaOptions};
+use crate::pages::AlignedBuf;
+use crate::plan::{PagedKv, Plan};
+use crate::view::{check_len, Tensor, TensorMut};
+use attnkit_kernels::{Dtype, Elem, Operand};
+use std::collections::HashMap;
+
+/// A sequence of a [`PagedKvCache`]. Ids are never reused: one that outlives
+/// [`free`](PagedKvCache::free) is refused ([`AttnError::UnknownSequence`]), not aliased.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(u64);
+
+impl SeqId {
+    /// The id as a number (for messages and maps).
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// A sequence's pages, in token order, and its length.
+#[derive(Clone, Debug, Default)]
+struct Seq {
+    pages: Vec<u32>,
+    len: usize,
+}
+
+/// One layer's paged cache: a pool of `pages` pages of `page_len` tokens each, shared by any
+/// number of sequences, each with `hkv` KV heads of head dims `d` (keys) and `dv` (values).
+///
+/// **Layout.** The pool holds K as `(pages, Hkv, page_len, D)` and V as
+/// `(pages, Hkv, page_len, Dv)`: a page holds `page_len` consecutive tokens of one sequence for
+/// every KV head, and each head's rows in it are contiguous, so the decode kernel streams a page
+/// per head as it would a contiguous cache. Sequence `s`'s token `j` is in its page
+/// `j / page_len`. `page_len` is a power of two (the kernel finds a key's page by a shift).
+///
+/// **Pages.** [`append`](Self::append) takes a free page whenever a sequence's last page is
+/// full; [`free`](Self::free) and [`truncate`](Self::truncate) return pages no sequence uses any
+/// more. [`fork`](Self::fork) makes a sequence that shares every page of another; a shared page
+/// is copied the first time either sequence appends into it (copy-on-write of the last, partial
+/// page; full pages are never written again, so they stay shared). A pool without enough free
+/// pages refuses the append ([`AttnError::PoolExhausted`]); nothing is ever overwritten.
+///
+/// **Element types.** As [`KvCache`](crate::KvCache): `PagedKvCache` stores f32,
+/// `PagedKvCache::<bf16>::new_of(…)`, `f16` or `i8` (a scale per token and head, the same
+/// quantisation; rows with NaN or infinity refused).
+///
+/// **Attention.** [`attend`](Self::attend) reads K and V through the page tables, without
+/// gathering them: the decode kernel looks each key's page up as it streams. Its result equals
+/// bit for bit that of a contiguous [`KvCache`](crate::KvCache) holding the same tokens, for
+/// any page length and any placement of the pages in the pool. Every query length runs on the
+/// decode kernel (the tiled prefill kernel does not read pages yet), so a long prompt against
+/// a paged cache is slower than against a contiguous one.
+///
+/// A refused call changes nothing: lengths, pages and contents stay as they were.
+#[derive(Clone, Debug)]
+pub struct PagedKvCache<E: Operand = f32> {
+    hkv: usize,
+    d: usize,
+    dv: usize,
+    page_len: usize,
+    shift: u32,
+    k: AlignedBuf<E>,
+    v: AlignedBuf<E>,
+    /// int8 only (else empty): row scales, `(pages, Hkv, page_len)`.
+    kscale: Vec<f32>,
+    vscale: Vec<f32>,
+    /// Sequences using each page (0: free).
+    refs: Vec<u32>,
+    /// Free pages, taken from the end.
+    free: Vec<u32>,
+    seqs: HashMap<u64, Seq>,
+    next_id: u64,
+}
+
+impl PagedKvCache {
+    /// An f32 pool of `pages` pages of `page_len` tokens for `hkv` KV heads of head dims `d`
+    /// (keys) and `dv` (values), with no sequences.
+    ///
+    /// # Errors
+    /// [`AttnError::BadParam`] if `page_len` is not a power of two or `pages` exceeds
+    /// `u32::MAX`; [`AttnError::Overflow`] if the pool's size overflows; [`AttnError::Alloc`]
+    /// if the allocator refuses it (nothing is allocated before the sizes are checked).
+    pub fn new(hkv: usize, d: usize, dv: usize, page_len: usize, pages: usize) -> Result<Self> {
+        Self::new_of(hkv, d, dv, page_len, pages)
+    }
+}
+
+impl<E: Operand> PagedKvCache<E> {
+    /// [`PagedKvCache::new`] storing `E`: `PagedKvCache::<bf16>::new_of(hkv, d, dv, page_len,
+    /// pages)`.
+    ///
+    /// # Errors
+    /// As [`PagedKvCache::new`].
+    pub fn new_of(hkv: usize, d: usize, dv: usize, page_len: usize, pages: usize) -> Result<Self> {
+        if !page_len.is_power_of_two() {
+            return Err(AttnError::BadParam {
+                arg: "page_len",
+                reason: "must be a power of two (1, 2, 4, …)",
+            });
+        }
+        if u32::try_from(pages).is_err() {
+            return Err(AttnError::BadParam {
+                arg: "pages",
+                reason: "at most u32::MAX pages",
+            });
+        }
+        let arg = "pages";
+        // Every product the cache or the kernel forms from these sizes is checked here.
+        checked_len(arg, &[pages, page_len])?;
+        let rows = checked_len(arg, &[pages, hkv, page_len])?;
+        let klen = checked_len(arg, &[rows, d])?;
+        let vlen = checked_len(arg, &[rows, dv])?;
+        let scales = if E::DTYPE == Dtype::I8 { rows } else { 0 };
+        let kscale = try_zeros::<f32>(arg, scales)?;
+        let vscale = try_zeros::<f32>(arg, scales)?;
+        let refs = try_zeros::<u32>(arg, pages)?;
+        let mut free = try_zeros::<u32>(arg, pages)?;
+        // Taken from the end: page 0 first.
+        for (i, p) in free.iter_mut().rev().enumerate() {
+            *p = i as u32;
+        }
+        let k = AlignedBuf::try_zeroed_of(klen, true)?;
+        let v = AlignedBuf::try_zeroed_of(vlen, true)?;
+        Ok(PagedKvCache {
+            hkv,
+            d,
+            dv,
+            page_len,
+            shift: page_len.trailing_zeros(),
+            k,
+            v,
+            kscale,
+            vscale,
+            refs,
+            free,
+            seqs: HashMap::new(),
+            next_id: 0,
+        })
+    }
+
+    /// A new, empty sequence (it takes no page until something is appended).
+    pub fn add_sequence(&mut self) -> SeqId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.insert(id, Seq::default());
+        SeqId(id)
+    }
+
+    /// A new sequence holding the same tokens as `seq`, sharing its pages (no copy; see the
+    /// type's docs for copy-on-write).
+    ///
+    /// # Errors
+    /// [`AttnError::UnknownSequence`] if `seq` does not exist.
+    pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
+        let s = self.seq("seq", seq)?.clone();
+        if s.pages.iter().any(|&p| self.refs[p as usize] == u32::MAX) {
+            return Err(AttnError::BadParam {
+                arg: "seq",
+                reason: "a page is already shared by u32::MAX sequences",
+            });
+        }
+        for &p in &s.pages {
+            self.refs[p as usize] += 1;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.insert(id, s);
+        Ok(SeqId(id))
+    }
+
+    /// Removes `seq`, returning the pages no other sequence shares to the pool.
+    ///
+    /// # Errors
+    /// [`AttnError::UnknownSequence`] if `seq` does not exist (already freed, say).
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        self.seq("seq", seq)?;
+        let s = self.seqs.remove(&seq.0).unwrap_or_default();
+        self.release(&s.pages);
+        Ok(())
+    }
+
+    /// Shortens `seq` to `len` tokens (rollback), returning pages past the new end that no other
+    /// sequence shares.
+    ///
+    /// # Errors
+    /// [`AttnError::UnknownSequence`]; [`AttnError::KeyLength`] if `len` is longer than the
+    /// sequence (`batch` is 0).
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let have = self.seq("seq", seq)?.len;
+        if len > have {
+            return Err(AttnError::KeyLength {
+                batch: 0,
+                len,
+                lk: have,
+            });
+        }
+        let keep = len.div_ceil(self.page_len);
+        let s = self.seqs.get_mut(&seq.0).expect("checked above");
+        s.len = len;
+        let dropped = s.pages.split_off(keep);
+        self.release(&dropped);
+        Ok(())
+    }
+
+    /// Tokens `seq` holds.
+    ///
+    /// # Errors
+    /// [`AttnError::UnknownSequence`].
+    pub fn len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.seq("seq", seq)?.len)
+    }
+
+    /// The pages of `seq`, in token order (indices into the pool; for inspection and tests).
+    ///
+    /// # Errors
+    /// [`AttnError::UnknownSequence`].
+    pub fn pages_of(&self, seq: SeqId) -> Result<&[u32]> {
+        Ok(&self.seq("seq", seq)?.pages)
+    }
+
+    /// Pages not used by any sequence.
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Pages in the pool.
+    pub fn total_pages(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// Tokens per page.
+    pub fn page_len(&self) -> usize {
+        self.page_len
+    }
+
+    /// The storage type.
+    pub fn dtype(&self) -> Dtype {
+        E::DTYPE
+    }
+
+    /// Takes every free page out of the pool and hands them back in the order `order` gives
+    /// (a permutation of `0..free_pages()`, applied to the free list as it stands): later
+    /// appends then take pages in that order. Placement never changes a result; this exists so
+    /// that tests and benchmarks can scatter sequences over the pool as a long-running server's
+    /// would be.
+    ///
+    /// # Errors
+    /// [`AttnError::BadParam`] if `order` is not a permutation of `0..free_pages()`.
+    pub fn shuffle_free_pages(&mut self, order: &[usize]) -> Result<()> {
+        let n = self.free.len();
+        let mut seen = vec![false; n];
+        if order.len() != n
+            || order
+                .iter()
+                .any(|&i| i >= n || std::mem::replace(&mut seen[i], true))
+        {
+            return Err(AttnError::BadParam {
+                arg: "order",
+                reason: "must be a permutation of 0..free_pages()",
+            });
+        }
+        self.free = order.iter().map(|&i| self.free[i]).collect();
+        Ok(())
+    }
+
+    fn seq(&self, arg: &'static str, seq: SeqId) -> Result<&Seq> {
+        self.seqs
+            .get(&seq.0)
+            .ok_or(AttnError::UnknownSequence { arg, seq: seq.0 })
+    }
+
+    /// Drops one reference to each of `pages`; those left unused go back to the pool.
+    fn release(&mut self, pages: &[u32]) {
+        for &p in pages.iter().rev() {
+            let r = &mut self.refs[p as usize];
+            *r -= 1;
+            if *r == 0 {
+                self.free.push(p);
+            }
+        }
+    }
+
+    /// Takes a free page for one more user.
+    fn take_page(&mut self) -> u32 {
+        let p = self.free.pop().expect("pages counted before any is taken");
+        self.refs[p as usize] = 1;
+        p
+    }
+
+    /// Pages an append of `t` tokens to `s` takes from the pool: new pages past its last, plus
+    /// one to copy a shared last page it writes into.
+    fn pages_needed(&self, s: &Seq, t: usize) -> usize {
+        if t == 0 {
+            return 0;
+        }
+        // `len + t` cannot wrap: `t` rows were validated against a buffer, or the caller's
+        // sizes against `isize::MAX` — but saturate anyway, the pool refuses such a length.
+        let total = s.len.saturating_add(t).div_ceil(self.page_len);
+        let fresh = total - s.pages.len();
+        let shared_tail = !s.len.is_multiple_of(self.page_len)
+            && s.pages.last().is_some_and(|&p| self.refs[p as usize] > 1);
+        fresh + usize::from(shared_tail)
+    }
+
+    /// Appends `T` tokens to each sequence of `seqs`: `k (B, Hkv, T, D)`, `v (B, Hkv, T, Dv)`
+    /// with `B = seqs.len()`, in any layout and element type, rounded (or quantised) to the
+    /// cache's. Nothing is written unless the whole append is accepted.
+    ///
+    /// # Errors
+    /// [`AttnError::UnknownSequence`]; [`AttnError::BadParam`] if a sequence is named twice; a
+    /// shape mismatch naming `k`/`v` and the dimension; [`AttnError::PoolExhausted`] if the
+    /// pool has too few free pages for the whole append; for int8, [`AttnError::NonFinite`].
+    pub fn append<A: Elem>(&mut self, seqs: &[SeqId], k: &Tensor<A>, v: &Tensor<A>) -> Result<()> {
+        for (i, &s) in seqs.iter().enumerate() {
+            self.seq("seqs", s)?;
+            if seqs[..i].contains(&s) {
+                return Err(AttnError::BadParam {
+                    arg: "seqs",
+                    reason: "a sequence appears twice",
+                });
+            }
+        }
+        let t = k.shape[2];
+        for (arg, x, d) in [("k", k, self.d), ("v", v, self.dv)] {
+            let want = [seqs.len(), self.hkv, t, d];
+            for (i, dim) in ["B", "H", "L", "D"].into_iter().enumerate() {
+                if x.shape[i] != want[i] {
+                    return Err(AttnError::ShapeMismatch {
+                        arg,
+                        dim,
+                        expected: want[i],
+                        got: x.shape[i],
+                    });
+                }
+            }
+            check_len(arg, x.data.len(), x.shape, x.strides)?;
+        }
+        // With empty rows no buffer bounds T: keep token counts addressable.
+        checked_len("k", &[seqs.len(), self.hkv, t])?;
+        let needed = seqs
+            .iter()
+            .map(|s| self.pages_needed(&self.seqs[&s.0], t))
+            .fold(0usize, usize::saturating_add);
+        if needed > self.free.len() {
+            return Err(AttnError::PoolExhausted {
+                needed,
+                free: self.free.len(),
+            });
+        }
+        fn row<'a, A>(x: &Tensor<'a, A>, w: usize, b: usize, h: usize, i: usize) -> &'a [A] {
+            let so = b * x.strides[0] + h * x.strides[1] + i * x.strides[2];
+            &x.data[so..so + w]
+        }
+        if E::DTYPE == Dtype::I8 {
+            for (arg, x, w) in [("k", k, self.d), ("v", v, self.dv)] {
+                if w == 0 {
+                    continue;
+                }
+                for b in 0..seqs.len() {
+                    for h in 0..self.hkv {
+                        for i in 0..t {
+                            if row(x, w, b, h, i).iter().any(|e| !e.to_f32().is_finite()) {
+                                return Err(AttnError::NonFinite {
+                                    arg,
+                                    batch: b,
+                                    head: h,
+                                    token: i,
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Accepted: from here on nothing fails.
+        if t == 0 {
+            return Ok(());
+        }
+        for (b, &sid) in seqs.iter().enumerate() {
+            let mut s = self.seqs.remove(&sid.0).expect("checked above");
+            self.unshare_tail(&mut s);
+            while s.pages.len() < (s.len + t).div_ceil(self.page_len) {
+                let p = self.take_page();
+                s.pages.push(p);
+            }
+            // Empty rows have nothing to write (and then nothing bounds T).
+            for i in (0..t).take_while(|_| self.d > 0 || self.dv > 0) {
+                let tok = s.len + i;
+                let page = s.pages[tok >> self.shift] as usize;
+                let slot = tok & (self.page_len - 1);
+                for h in 0..self.hkv {
+                    // Row (page, h, slot) of the pool.
+                    let r = (page * self.hkv + h) * self.page_len + slot;
+                    if self.d > 0 {
+                        let sc =
+                            E::encode(row(k, self.d, b, h, i), &mut self.k[r * self.d..][..self.d]);
+                        if let Some(x) = self.kscale.get_mut(r) {
+                            *x = sc;
+                        }
+                    }
+                    if self.dv > 0 {
+                        let sc = E::encode(
+                            row(v, self.dv, b, h, i),
+                            &mut self.v[r * self.dv..][..self.dv],
+                        );
+                        if let Some(x) = self.vscale.get_mut(r) {
+                            *x = sc;
+                        }
+                    }
+                }
+            }
+            s.len += t;
+            self.seqs.insert(sid.0, s);
+        }
+        Ok(())
+    }
+
+    /// Gives `s` its own copy of its last page if that page is partly filled and shared (the
+    /// append is about to write into it).
+    fn unshare_tail(&mut self, s: &mut Seq) {
+        let used = s.len % self.page_len;
+        let Some(&old) = s.pages.last() else { return };
+        if used == 0 || self.refs[old as usize] <= 1 {
+            return;
+        }
+        let new = self.take_page();
+        let (old, newu) = (old as usize, new as usize);
+        for h in 0..self.hkv {
+            let (ro, rn) = (
+                (old * self.hkv + h) * self.page_len,
+                (newu * self.hkv + h) * self.page_len,
+            );
+            self.k
+                .copy_within(ro * self.d..(ro + used) * self.d, rn * self.d);
+            self.v
+                .copy_within(ro * self.dv..(ro + used) * self.dv, rn * self.dv);
+            if !self.kscale.is_empty() {
+                self.kscale.copy_within(ro..ro + used, rn);
+                self.vscale.copy_within(ro..ro + used, rn);
+            }
+        }
+        self.refs[old] -= 1;
+        *s.pages.last_mut().expect("has a last page") = new;
+    }
+
+    /// Attention of `q (B, Hq, Lq, D)` for the sequences `seqs` (`B = seqs.len()`; the newest
+    /// `Lq` tokens of each, already appended) over their cached tokens: bottom-right causal per
+    /// sequence, plus whatever else `opts` sets (window, masks, ALiBi, softcap, sinks, ISA).
+    /// Writes `out (B, Hq, Lq, Dv)`, in f32 or the 16-bit types. A sequence may appear more
+    /// than once. See the type's docs for how pages are read.
+    ///
+    /// # Errors
+    /// [`AttnError::UnknownSequence`]; [`AttnError::BadParam`] for a forced kernel other than
+    /// [`Kernel::Decode`](crate::Kernel::Decode); otherwise as [`crate::sdpa`].
+    pub fn attend<Q: Elem, O: Elem>(
+        &self,
+        seqs: &[SeqId],
+        q: &Tensor<Q>,
+        out: &mut TensorMut<O>,
+        opts: &SdpaOptions,
+    ) -> Result<()> {
+        let mut lens = try_zeros::<usize>("seqs", seqs.len())?;
+        for (l, &s) in lens.iter_mut().zip(seqs) {
+            *l = self.seq("seqs", s)?.len;
+        }
+        let lk = lens.iter().copied().max().unwrap_or(0);
+        let per_seq = lk.div_ceil(self.page_len);
+        // Every sequence's table padded to the longest with a page of the pool, so the kernel's
+        // lookups for any key < Lk stay in the pool (keys past a sequence's length are masked,
+        // never read for their values).
+        let table_len = checked_len("seqs", &[seqs.len(), per_seq])?;
+        let mut table = try_zeros::<u32>("seqs", table_len)?;
+        for (row, &s) in table.chunks_exact_mut(per_seq.max(1)).zip(seqs) {
+            let pages = &self.seqs[&s.0].pages;
+            let pad = pages.first().copied().unwrap_or(0);
+            for (i, x) in row.iter_mut().enumerate() {
+                *x = pages.get(i).copied().unwrap_or(pad);
+            }
+        }
+        // The kernel trusts the table: check it here (it holds by construction).
+        if table.iter().any(|&p| p as usize >= self.refs.len()) {
+            return Err(AttnError::BadParam {
+                arg: "seqs",
+                reason: "page table names a page outside the pool",
+            });
+        }
+        let opts = SdpaOptions {
+            causal: Some(Causal::BottomRight),
+            key_lengths: Some(&lens),
+            ..*opts
+        };
+        let kv = PagedKv {
+            k: &self.k,
+            v: &self.v,
+            k_scales: &self.kscale,
+            v_scales: &self.vscale,
+            hkv: self.hkv,
+            d: self.d,
+            dv: self.dv,
+            lk,
+            shift: self.shift,
+            table: &table,
+            per_seq,
+        };
+        let mut extras = Extras::default();
+        let plan = Plan::new_paged(q, &kv, out, &opts, &mut extras)?;
+        crate::sdpa::execute(&plan, opts.par)
+    }
+}
