@@ -141,21 +141,7 @@ impl<E: Operand> KvCache<E> {
     /// would exceed the capacity; for an int8 cache, [`AttnError::NonFinite`] naming the first
     /// row that holds NaN or an infinity.
     pub fn append<A: Elem>(&mut self, k: &Tensor<A>, v: &Tensor<A>) -> Result<()> {
-        let t = k.shape[2];
-        for (arg, x, d) in [("k", k, self.d), ("v", v, self.dv)] {
-            let want = [self.b, self.hkv, t, d];
-            for (i, dim) in ["B", "H", "L", "D"].into_iter().enumerate() {
-                if x.shape[i] != want[i] {
-                    return Err(AttnError::ShapeMismatch {
-                        arg,
-                        dim,
-                        expected: want[i],
-                        got: x.shape[i],
-                    });
-                }
-            }
-            check_len(arg, x.data.len(), x.shape, x.strides)?;
-        }
+        let t = check_append(k, v, [self.b, self.hkv, self.d, self.dv])?;
         // `len ≤ cap` always, so `cap − len` is the room left (`len + t` could wrap).
         if let Some((batch, &len)) = self
             .lens
@@ -170,24 +156,8 @@ impl<E: Operand> KvCache<E> {
                 capacity: self.cap,
             });
         }
-        // Empty rows have nothing to copy (and an empty view's strides may point anywhere).
-        fn row<'a, A>(x: &Tensor<'a, A>, w: usize, b: usize, h: usize, i: usize) -> &'a [A] {
-            let so = b * x.strides[0] + h * x.strides[1] + i * x.strides[2];
-            &x.data[so..so + w]
-        }
         if E::DTYPE == Dtype::I8 {
-            for (arg, x, w) in [("k", k, self.d), ("v", v, self.dv)] {
-                for (b, h, i) in rows(self.b, self.hkv, t).filter(|_| w > 0) {
-                    if row(x, w, b, h, i).iter().any(|e| !e.to_f32().is_finite()) {
-                        return Err(AttnError::NonFinite {
-                            arg,
-                            batch: b,
-                            head: h,
-                            token: i,
-                        });
-                    }
-                }
-            }
+            check_finite(k, v, [self.b, self.hkv, self.d, self.dv])?;
         }
         for (src, dst, scales, ds, w) in [
             (k, &mut self.k, &mut self.kscale, self.ks, self.d),
@@ -199,7 +169,7 @@ impl<E: Operand> KvCache<E> {
             for (b, h, i) in rows(self.b, self.hkv, t) {
                 let tok = self.lens[b] + i;
                 let o = b * ds[0] + h * ds[1] + tok * ds[2];
-                let scale = E::encode(row(src, w, b, h, i), &mut dst[o..o + w]);
+                let scale = E::encode(append_row(src, w, b, h, i), &mut dst[o..o + w]);
                 if let Some(s) = scales.get_mut((b * self.hkv + h) * self.cap + tok) {
                     *s = scale;
                 }
@@ -319,6 +289,67 @@ impl<E: Operand> KvCache<E> {
         let shape = [self.b, self.hkv, self.max_len(), 1];
         Tensor::strided(&self.vscale, shape, [self.hkv * self.cap, self.cap, 1])
     }
+}
+
+/// Checks an append's `k (B, Hkv, T, D)` and `v (B, Hkv, T, Dv)` against `[B, Hkv, D, Dv]` and
+/// their buffers; returns `T`.
+pub(crate) fn check_append<A: Elem>(
+    k: &Tensor<A>,
+    v: &Tensor<A>,
+    sizes: [usize; 4],
+) -> Result<usize> {
+    let [b, hkv, d, dv] = sizes;
+    let t = k.shape[2];
+    for (arg, x, w) in [("k", k, d), ("v", v, dv)] {
+        let want = [b, hkv, t, w];
+        for (i, dim) in ["B", "H", "L", "D"].into_iter().enumerate() {
+            if x.shape[i] != want[i] {
+                return Err(AttnError::ShapeMismatch {
+                    arg,
+                    dim,
+                    expected: want[i],
+                    got: x.shape[i],
+                });
+            }
+        }
+        check_len(arg, x.data.len(), x.shape, x.strides)?;
+    }
+    Ok(t)
+}
+
+/// Row `(b, h, i)` of a checked append input, `w` wide (call it only for `w > 0`: an empty
+/// view's strides may point anywhere).
+pub(crate) fn append_row<'a, A>(
+    x: &Tensor<'a, A>,
+    w: usize,
+    b: usize,
+    h: usize,
+    i: usize,
+) -> &'a [A] {
+    let so = b * x.strides[0] + h * x.strides[1] + i * x.strides[2];
+    &x.data[so..so + w]
+}
+
+/// For an int8 cache: [`AttnError::NonFinite`] naming the first row of a checked append that
+/// holds NaN or an infinity (keys first).
+pub(crate) fn check_finite<A: Elem>(k: &Tensor<A>, v: &Tensor<A>, sizes: [usize; 4]) -> Result<()> {
+    let [b, hkv, d, dv] = sizes;
+    for (arg, x, w) in [("k", k, d), ("v", v, dv)] {
+        for (bi, h, i) in rows(b, hkv, x.shape[2]).filter(|_| w > 0) {
+            if append_row(x, w, bi, h, i)
+                .iter()
+                .any(|e| !e.to_f32().is_finite())
+            {
+                return Err(AttnError::NonFinite {
+                    arg,
+                    batch: bi,
+                    head: h,
+                    token: i,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Every (batch, KV head, token) row of a `t`-token append to `nb` sequences of `nh` heads.

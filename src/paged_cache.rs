@@ -4,10 +4,11 @@
 
 use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
+use crate::kv_cache::{append_row, check_append, check_finite};
 use crate::options::{Causal, Extras, SdpaOptions};
 use crate::pages::AlignedBuf;
 use crate::plan::{PagedKv, Plan};
-use crate::view::{check_len, Tensor, TensorMut};
+use crate::view::{Tensor, TensorMut};
 use attnkit_kernels::{Dtype, Elem, Operand};
 use std::collections::HashMap;
 
@@ -326,21 +327,8 @@ impl<E: Operand> PagedKvCache<E> {
                 });
             }
         }
-        let t = k.shape[2];
-        for (arg, x, d) in [("k", k, self.d), ("v", v, self.dv)] {
-            let want = [seqs.len(), self.hkv, t, d];
-            for (i, dim) in ["B", "H", "L", "D"].into_iter().enumerate() {
-                if x.shape[i] != want[i] {
-                    return Err(AttnError::ShapeMismatch {
-                        arg,
-                        dim,
-                        expected: want[i],
-                        got: x.shape[i],
-                    });
-                }
-            }
-            check_len(arg, x.data.len(), x.shape, x.strides)?;
-        }
+        let sizes = [seqs.len(), self.hkv, self.d, self.dv];
+        let t = check_append(k, v, sizes)?;
         // With empty rows no buffer bounds T: keep token counts addressable.
         checked_len("k", &[seqs.len(), self.hkv, t])?;
         let needed = seqs
@@ -353,30 +341,8 @@ impl<E: Operand> PagedKvCache<E> {
                 free: self.free.len(),
             });
         }
-        fn row<'a, A>(x: &Tensor<'a, A>, w: usize, b: usize, h: usize, i: usize) -> &'a [A] {
-            let so = b * x.strides[0] + h * x.strides[1] + i * x.strides[2];
-            &x.data[so..so + w]
-        }
         if E::DTYPE == Dtype::I8 {
-            for (arg, x, w) in [("k", k, self.d), ("v", v, self.dv)] {
-                if w == 0 {
-                    continue;
-                }
-                for b in 0..seqs.len() {
-                    for h in 0..self.hkv {
-                        for i in 0..t {
-                            if row(x, w, b, h, i).iter().any(|e| !e.to_f32().is_finite()) {
-                                return Err(AttnError::NonFinite {
-                                    arg,
-                                    batch: b,
-                                    head: h,
-                                    token: i,
-                                });
-                            }
-                        }
-                    }
-                }
-            }
+            check_finite(k, v, sizes)?;
         }
         // Accepted: from here on nothing fails.
         if t == 0 {
@@ -398,15 +364,17 @@ impl<E: Operand> PagedKvCache<E> {
                     // Row (page, h, slot) of the pool.
                     let r = (page * self.hkv + h) * self.page_len + slot;
                     if self.d > 0 {
-                        let sc =
-                            E::encode(row(k, self.d, b, h, i), &mut self.k[r * self.d..][..self.d]);
+                        let sc = E::encode(
+                            append_row(k, self.d, b, h, i),
+                            &mut self.k[r * self.d..][..self.d],
+                        );
                         if let Some(x) = self.kscale.get_mut(r) {
                             *x = sc;
                         }
                     }
                     if self.dv > 0 {
                         let sc = E::encode(
-                            row(v, self.dv, b, h, i),
+                            append_row(v, self.dv, b, h, i),
                             &mut self.v[r * self.dv..][..self.dv],
                         );
                         if let Some(x) = self.vscale.get_mut(r) {
