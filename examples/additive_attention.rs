@@ -31,9 +31,9 @@ fn main() -> Result<(), attnkit::AttnError> {
     let layer = AdditiveAttention::new(w_q.clone(), w_k.clone(), None, w_v.clone(), a, dq, dk)?;
     let valid_lens = [2usize, 6];
     let y = layer.forward(
-        &Tokens::batch_first(&queries, [b, lq, dq]),
-        &Tokens::batch_first(&keys, [b, lk, dk]),
-        &Tokens::batch_first(&vals, [b, lk, dv]),
+        &Tokens::ble(&queries, [b, lq, dq]),
+        &Tokens::ble(&keys, [b, lk, dk]),
+        &Tokens::ble(&vals, [b, lk, dv]),
         &AdditiveOptions::new()
             .key_lengths(&valid_lens)
             .outputs(true, false),

@@ -26,8 +26,8 @@ fn main() -> Result<(), attnkit::AttnError> {
     let decoder = values(b * lq * e, 1, 1.0); // (B, Lq, E): the decoder's states
     let memory = values(b * lk * e_enc, 2, 1.0); // (B, Lk, E_enc): the encoder's output
     let (q, mem) = (
-        Tokens::batch_first(&decoder, [b, lq, e]),
-        Tokens::batch_first(&memory, [b, lk, e_enc]),
+        Tokens::ble(&decoder, [b, lq, e]),
+        Tokens::ble(&memory, [b, lk, e_enc]),
     );
     let encoder_lengths = [12, 9]; // batch 1's source sentence is shorter
 

@@ -118,7 +118,7 @@ fn main() -> Result<(), attnkit::AttnError> {
         "",
     )?;
     let x = values(b * l * e, 5, 1.0);
-    let xt = Tokens::batch_first(&x, [b, l, e]);
+    let xt = Tokens::ble(&x, [b, l, e]);
     let proj_flops = 2.0 * (b * l * e) as f64 * (4 * e) as f64;
     let attn_flops = 4.0 * (b * l * l * e) as f64;
     let flops = proj_flops + attn_flops;
@@ -192,9 +192,9 @@ fn main() -> Result<(), attnkit::AttnError> {
         values(b * lk * d, 17, 1.0),
     );
     let (qt, kt, vt) = (
-        Tokens::batch_first(&q, [b, lq, d]),
-        Tokens::batch_first(&k, [b, lk, d]),
-        Tokens::batch_first(&v, [b, lk, d]),
+        Tokens::ble(&q, [b, lq, d]),
+        Tokens::ble(&k, [b, lk, d]),
+        Tokens::ble(&v, [b, lk, d]),
     );
     let pairs = (b * lq * lk * a) as f64;
 

@@ -50,7 +50,7 @@ fn main() -> Result<(), attnkit::AttnError> {
     let _ = std::fs::remove_file(&path);
 
     let x = values(b * l * e, 5, 1.0);
-    let x = Tokens::batch_first(&x, [b, l, e]);
+    let x = Tokens::ble(&x, [b, l, e]);
     let y = mha.forward(&x, &x, &x, &MhaOptions::new().need_weights(true, true))?;
     println!(
         "MHA(128, 8 heads): x (2, 10, 128) → out {:?}, averaged weights {:?}",

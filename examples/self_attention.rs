@@ -38,7 +38,7 @@ fn main() -> Result<(), attnkit::AttnError> {
 
     let x = values(b * l * e, 1, 1.0);
     let y = layer.forward(
-        &Tokens::batch_first(&x, [b, l, e]),
+        &Tokens::ble(&x, [b, l, e]),
         &MhaOptions::new().need_weights(true, true),
     )?;
     println!(
@@ -56,7 +56,7 @@ fn main() -> Result<(), attnkit::AttnError> {
 
     // Causal (decoder-style) self-attention: token i sees tokens ≤ i.
     let yc = layer.forward(
-        &Tokens::batch_first(&x, [b, l, e]),
+        &Tokens::ble(&x, [b, l, e]),
         &MhaOptions::new().causal(true).need_weights(true, true),
     )?;
     let wc = yc.weights.as_ref().unwrap();

@@ -19,7 +19,8 @@ fn check(arg: &'static str, len: usize, dims: [usize; 4]) -> Result<()> {
     Ok(())
 }
 
-/// Copies `(B, L, H·D)` into `(B, H, L, D)`; `shape = [B, L, H, D]`.
+/// Copies `(B, L, H·D)` into `(B, H, L, D)`; `sizes = [B, L, H, D]`, the memory order of the
+/// token-major side (as for [`crate::Tensor::blhd`]).
 ///
 /// # Errors
 /// [`AttnError::BufferLength`] if either slice is not `B·L·H·D` long.
@@ -31,22 +32,23 @@ fn check(arg: &'static str, len: usize, dims: [usize; 4]) -> Result<()> {
 /// assert_eq!(&y[..6], &[0.0, 1.0, 4.0, 5.0, 8.0, 9.0]); // head 0
 /// # Ok::<(), attnkit::AttnError>(())
 /// ```
-pub fn split_heads(src: &[f32], dst: &mut [f32], shape: [usize; 4]) -> Result<()> {
-    check("src", src.len(), shape)?;
-    check("dst", dst.len(), shape)?;
-    let [b, l, h, d] = shape;
+pub fn split_heads(src: &[f32], dst: &mut [f32], sizes: [usize; 4]) -> Result<()> {
+    check("src", src.len(), sizes)?;
+    check("dst", dst.len(), sizes)?;
+    let [b, l, h, d] = sizes;
     attnkit_kernels::split_heads(src, dst, b, l, h, d);
     Ok(())
 }
 
-/// Copies `(B, H, L, D)` into `(B, L, H·D)`; `shape = [B, L, H, D]`.
+/// Copies `(B, H, L, D)` into `(B, L, H·D)`; `sizes = [B, L, H, D]`, the memory order of the
+/// token-major side.
 ///
 /// # Errors
 /// [`AttnError::BufferLength`] if either slice is not `B·L·H·D` long.
-pub fn merge_heads(src: &[f32], dst: &mut [f32], shape: [usize; 4]) -> Result<()> {
-    check("src", src.len(), shape)?;
-    check("dst", dst.len(), shape)?;
-    let [b, l, h, d] = shape;
+pub fn merge_heads(src: &[f32], dst: &mut [f32], sizes: [usize; 4]) -> Result<()> {
+    check("src", src.len(), sizes)?;
+    check("dst", dst.len(), sizes)?;
+    let [b, l, h, d] = sizes;
     attnkit_kernels::merge_heads(src, dst, b, l, h, d);
     Ok(())
 }

@@ -7,6 +7,11 @@
 //!
 //! The entry point is [`sdpa`], with PyTorch `F.scaled_dot_product_attention` semantics over
 //! borrowed, strided views ([`Tensor`], [`TensorMut`]) in `(B, H, L, D)` or `(B, L, H, D)` order.
+//!
+//! **Sizes are given in memory order**: a constructor named after a memory order takes its sizes
+//! in that order (`Tensor::blhd(x, [B, L, H, D])`, `Tokens::lbe(x, [L, B, E])`); strided
+//! constructors and everything that reports a shape use the logical order, `(B, H, L, D)` for a
+//! [`Tensor`] and `(B, L, E)` for [`Tokens`].
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]

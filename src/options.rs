@@ -3,13 +3,23 @@
 use attnkit_kernels::Isa;
 
 /// Causal masking and how it is aligned when `Lq ≠ Lk`.
+///
+/// The two bottom-right alignments differ only with [`SdpaOptions::key_lengths`]:
+/// [`Causal::BottomRight`] ends each batch's diagonal at *its own* last key (the new queries are
+/// the last tokens of a ragged KV cache), [`Causal::BottomRightAtLk`] at key `Lk − 1` of the
+/// buffer for every batch (PyTorch's `causal_lower_right` combined with a key-padding mask).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Causal {
     /// Query `i` sees keys `j ≤ i` (PyTorch `is_causal=True`).
     TopLeft,
-    /// Query `i` sees keys `j ≤ i + Lk − Lq`: the new queries are the *last* `Lq` positions of
-    /// the sequence (KV-cache decoding, PyTorch `causal_lower_right`).
+    /// Query `i` of batch `b` sees keys `j ≤ i + key_len[b] − Lq`, `key_len[b]` its entry in
+    /// [`SdpaOptions::key_lengths`] (`Lk` without them): the new queries are the *last* `Lq`
+    /// positions of each sequence, as KV-cache decoding of a ragged batch needs. Without key
+    /// lengths this is PyTorch's `causal_lower_right`.
     BottomRight,
+    /// Query `i` sees keys `j ≤ i + Lk − Lq` whatever the key lengths, which then only mask keys
+    /// `j ≥ key_len[b]`: PyTorch's `causal_lower_right` plus a key-padding mask.
+    BottomRightAtLk,
 }
 
 /// A mask broadcast over `(B, H, Lq, Lk)`: a dense row-major buffer whose shape has each of the
@@ -90,9 +100,11 @@ pub struct SdpaOptions<'a> {
     /// With a [`SdpaOptions::bool_mask`] as well, both apply: the bias is added where the mask
     /// attends (PyTorch's MHA combining `key_padding_mask` with `attn_mask`).
     pub bias: Option<MaskRef<'a, f32>>,
-    /// Per-batch valid key counts: keys `j ≥ key_lengths[b]` are masked (key padding). With
-    /// [`Causal::BottomRight`] the diagonal is aligned to each batch's own length (query `i`
-    /// sees `j ≤ i + key_lengths[b] − Lq`), as a ragged KV cache needs.
+    /// Per-batch valid key counts: keys `j ≥ key_lengths[b]` are masked (key padding). **With
+    /// [`Causal::BottomRight`] the diagonal moves too**: it is aligned to each batch's own length
+    /// (query `i` sees `j ≤ i + key_lengths[b] − Lq`), as a ragged KV cache needs;
+    /// [`Causal::BottomRightAtLk`] keeps it at `Lk` (PyTorch's `causal_lower_right` with a
+    /// padding mask).
     pub key_lengths: Option<&'a [usize]>,
     /// Sliding window (needs `causal`): each query sees only the `window` most recent keys up to
     /// its diagonal, i.e. `j > i + offset − window`. At least 1; a window of `max(Lq, Lk)` or
@@ -100,7 +112,8 @@ pub struct SdpaOptions<'a> {
     pub window: Option<usize>,
     /// ALiBi slopes, one per query head (`Hq`): `−slope[h]·|pos(i) − j|` is added to every
     /// score, with `pos(i) = i + key_len − Lq` (the queries are the last positions, as for
-    /// [`Causal::BottomRight`]; `pos(i) = i` under [`Causal::TopLeft`]). [`alibi_slopes`] makes
+    /// [`Causal::BottomRight`]; `pos(i) = i` under [`Causal::TopLeft`], `i + Lk − Lq` under
+    /// [`Causal::BottomRightAtLk`]). [`alibi_slopes`] makes
     /// the standard ones.
     pub alibi: Option<&'a [f32]>,
     /// Softcap (Gemma 2, Grok): each scaled score `x` becomes `cap·tanh(x/cap)`, before any mask,

@@ -344,9 +344,14 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
         let [b, hq, lq, d] = q.shape;
         let [_, hkv, lk, _] = k.shape;
         let dv = v.shape[3];
-        mismatch("k", "B", b, k.shape[0])?;
+        // K and V of one batch serve every query batch (one encoder output, or a shared prefix,
+        // attended by a batch of queries): a size-1 dimension steps by 0 (`used_strides`).
+        for (arg, x) in [("k", k.shape[0]), ("v", v.shape[0])] {
+            if x != 1 {
+                mismatch(arg, "B", b, x)?;
+            }
+        }
         mismatch("k", "D", d, k.shape[3])?;
-        mismatch("v", "B", b, v.shape[0])?;
         mismatch("v", "H", hkv, v.shape[1])?;
         mismatch("v", "Lk", lk, v.shape[2])?;
         mismatch("out", "B", b, out_shape[0])?;
@@ -537,6 +542,7 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
         match c {
             Causal::TopLeft => 0,
             Causal::BottomRight => self.key_len(b) as isize - self.shape.lq as isize,
+            Causal::BottomRightAtLk => self.shape.lk as isize - self.shape.lq as isize,
         }
     }
 

@@ -12,7 +12,8 @@ use attnkit_kernels::{Elem, Operand, Stored};
 ///
 /// Shapes (logical, any layout): `q (B, Hq, Lq, D)`, `k (B, Hkv, Lk, D)`, `v (B, Hkv, Lk, Dv)`,
 /// `out (B, Hq, Lq, Dv)`, with `Hq` a multiple of `Hkv` (query head `h` reads KV head
-/// `h / (Hq/Hkv)`, no copies). Semantics follow PyTorch's `F.scaled_dot_product_attention`
+/// `h / (Hq/Hkv)`, no copies). K and V may have `B = 1`: one batch of keys and values serves every
+/// query batch (as a B stride of 0 does). Semantics follow PyTorch's `F.scaled_dot_product_attention`
 /// (bool masks: `true` = attend). A row whose keys are all masked is written as zeros, as in
 /// PyTorch 2.x. Zero-sized B, H or Lq do nothing; `Lk = 0` makes every row fully masked (zeros);
 /// `D = 0` gives uniform weights; `Dv = 0` writes nothing. NaN in the inputs propagates to the rows

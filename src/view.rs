@@ -2,6 +2,12 @@
 //! shape plus strides (in elements) for B, H and L, the last dimension contiguous. Building a
 //! view never copies and never fails; the attention call validates it (and names it) before any
 //! kernel runs.
+//!
+//! One rule for sizes: a constructor named after a memory order takes the sizes in that order
+//! (`Tensor::blhd(x, [B, L, H, D])`, `Tensor::bhld(x, [B, H, L, D])`, `Tensor::new(x, sizes,
+//! layout)` in the layout's order); a strided constructor, which has no memory order, takes the
+//! logical `(B, H, L, D)`. Everything that reports a shape (`shape()`, errors) speaks the logical
+//! order.
 
 use crate::error::{AttnError, Result};
 use attnkit_kernels::{Elem, Stored};
@@ -18,9 +24,27 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// Element strides of B, H and L for a dense tensor of this layout. Products saturate at
-    /// `usize::MAX` instead of overflowing: such a view then fails validation with
-    /// [`AttnError::Overflow`] rather than panicking here.
+    /// The logical `(B, H, L, D)` shape of sizes given in this layout's memory order.
+    pub fn logical(self, sizes: [usize; 4]) -> [usize; 4] {
+        match self {
+            Layout::Bhld => sizes,
+            Layout::Blhd => {
+                let [b, l, h, d] = sizes;
+                [b, h, l, d]
+            }
+        }
+    }
+
+    /// The sizes in this layout's memory order of a logical `(B, H, L, D)` shape (the inverse of
+    /// [`Layout::logical`]).
+    pub fn sizes(self, shape: [usize; 4]) -> [usize; 4] {
+        // Both layouts differ by one swap, its own inverse.
+        self.logical(shape)
+    }
+
+    /// Element strides of B, H and L for a dense tensor of this layout, from its logical shape
+    /// `(B, H, L, D)`. Products saturate at `usize::MAX` instead of overflowing: such a view then
+    /// fails validation with [`AttnError::Overflow`] rather than panicking here.
     pub fn strides(self, shape: [usize; 4]) -> [usize; 3] {
         let [_, h, l, d] = shape;
         let m = |a: usize, b: usize| a.saturating_mul(b);
@@ -59,23 +83,34 @@ impl<E> Clone for Tensor<'_, E> {
 impl<E> Copy for Tensor<'_, E> {}
 
 impl<'a, E: Stored> Tensor<'a, E> {
-    /// A dense tensor of logical shape `(B, H, L, D)` stored in `layout` order.
-    pub fn new(data: &'a [E], shape: [usize; 4], layout: Layout) -> Self {
+    /// A dense tensor stored in `layout` order, `sizes` in that order (`[B, L, H, D]` for
+    /// [`Layout::Blhd`]).
+    pub fn new(data: &'a [E], sizes: [usize; 4], layout: Layout) -> Self {
+        let shape = layout.logical(sizes);
         Tensor {
             data,
             shape,
             strides: layout.strides(shape),
         }
     }
-    /// Dense `(B, H, L, D)`, heads before sequence.
-    pub fn bhld(data: &'a [E], shape: [usize; 4]) -> Self {
-        Self::new(data, shape, Layout::Bhld)
+    /// Dense `(B, H, L, D)` memory, heads before sequence; `sizes = [B, H, L, D]`.
+    pub fn bhld(data: &'a [E], sizes: [usize; 4]) -> Self {
+        Self::new(data, sizes, Layout::Bhld)
     }
-    /// Dense `(B, L, H, D)` memory read as logical `(B, H, L, D)`.
-    pub fn blhd(data: &'a [E], shape: [usize; 4]) -> Self {
-        Self::new(data, shape, Layout::Blhd)
+    /// Dense `(B, L, H, D)` memory (a projection's output, `(B, L, H·D)`) read per head;
+    /// `sizes = [B, L, H, D]`, in memory order like every named constructor.
+    ///
+    /// ```
+    /// # let (b, l, h, d) = (2, 5, 3, 4);
+    /// let x = vec![0.0f32; b * l * h * d];
+    /// let t = attnkit::Tensor::blhd(&x, [b, l, h, d]);
+    /// assert_eq!(t.shape(), [b, h, l, d]); // the logical (B, H, L, D)
+    /// ```
+    pub fn blhd(data: &'a [E], sizes: [usize; 4]) -> Self {
+        Self::new(data, sizes, Layout::Blhd)
     }
-    /// Any strides for B, H, L (the D axis is contiguous). Lets Q, K and V be views into one packed
+    /// The logical shape `(B, H, L, D)` with any strides for B, H, L (the D axis is contiguous).
+    /// Lets Q, K and V be views into one packed
     /// QKV projection buffer, e.g. `(B, L, 3, H, D)` with `strides = [L·3·H·D, D, 3·H·D]`.
     pub fn strided(data: &'a [E], shape: [usize; 4], strides: [usize; 3]) -> Self {
         Tensor {
@@ -108,7 +143,7 @@ impl<'a, E: Stored> Tensor<'a, E> {
     /// ```
     /// use attnkit::Tensor;
     /// let x: Vec<f32> = (0..24).map(|i| i as f32).collect(); // (B, L, H, D) = (1, 3, 2, 4)
-    /// let t1 = Tensor::blhd(&x, [1, 2, 3, 4]).rows(1..2)?;
+    /// let t1 = Tensor::blhd(&x, [1, 3, 2, 4]).rows(1..2)?;
     /// assert_eq!(t1.shape(), [1, 2, 1, 4]);
     /// # Ok::<(), attnkit::AttnError>(())
     /// ```
@@ -152,23 +187,26 @@ fn narrow_rows(
 }
 
 impl<'a, E: Elem> TensorMut<'a, E> {
-    /// A dense tensor of logical shape `(B, H, L, D)` stored in `layout` order.
-    pub fn new(data: &'a mut [E], shape: [usize; 4], layout: Layout) -> Self {
+    /// A dense tensor stored in `layout` order, `sizes` in that order, as [`Tensor::new`].
+    pub fn new(data: &'a mut [E], sizes: [usize; 4], layout: Layout) -> Self {
+        let shape = layout.logical(sizes);
         TensorMut {
             data,
             shape,
             strides: layout.strides(shape),
         }
     }
-    /// Dense `(B, H, L, D)`.
-    pub fn bhld(data: &'a mut [E], shape: [usize; 4]) -> Self {
-        Self::new(data, shape, Layout::Bhld)
+    /// Dense `(B, H, L, D)` memory; `sizes = [B, H, L, D]`.
+    pub fn bhld(data: &'a mut [E], sizes: [usize; 4]) -> Self {
+        Self::new(data, sizes, Layout::Bhld)
     }
-    /// Dense `(B, L, H, D)` memory written as logical `(B, H, L, D)`: the multi-head concat.
-    pub fn blhd(data: &'a mut [E], shape: [usize; 4]) -> Self {
-        Self::new(data, shape, Layout::Blhd)
+    /// Dense `(B, L, H, D)` memory written per head (the multi-head concat); `sizes =
+    /// [B, L, H, D]`.
+    pub fn blhd(data: &'a mut [E], sizes: [usize; 4]) -> Self {
+        Self::new(data, sizes, Layout::Blhd)
     }
-    /// Any non-overlapping strides for B, H, L (validated by the call that writes it).
+    /// The logical shape `(B, H, L, D)` with any non-overlapping strides for B, H, L (validated
+    /// by the call that writes it).
     pub fn strided(data: &'a mut [E], shape: [usize; 4], strides: [usize; 3]) -> Self {
         TensorMut {
             data,

@@ -107,9 +107,9 @@ fn golden_additive_attention() {
         for par in [Par::Rayon, Par::Seq] {
             let y = layer
                 .forward(
-                    &Tokens::batch_first(&q, [B, LQ, DQ]),
-                    &Tokens::batch_first(&k, [B, LK, DK]),
-                    &Tokens::batch_first(&v, [B, LK, DV]),
+                    &Tokens::ble(&q, [B, LQ, DQ]),
+                    &Tokens::ble(&k, [B, LK, DK]),
+                    &Tokens::ble(&v, [B, LK, DV]),
                     &AdditiveOptions::new().isa(isa).par(par).outputs(true, true),
                 )
                 .unwrap();
@@ -127,9 +127,9 @@ fn golden_additive_attention() {
             // Sequence-first inputs: output (Lq, B, Dv).
             let ys = layer
                 .forward(
-                    &Tokens::seq_first(&qs, [LQ, B, DQ]),
-                    &Tokens::seq_first(&ks, [LK, B, DK]),
-                    &Tokens::seq_first(&vs, [LK, B, DV]),
+                    &Tokens::lbe(&qs, [LQ, B, DQ]),
+                    &Tokens::lbe(&ks, [LK, B, DK]),
+                    &Tokens::lbe(&vs, [LK, B, DV]),
                     &AdditiveOptions::new().isa(isa).par(par),
                 )
                 .unwrap();
@@ -280,9 +280,9 @@ fn random_shapes_match_f64_reference() {
             for isa in isas() {
                 let y = layer
                     .forward(
-                        &Tokens::batch_first(&q, [b, lq, dq]),
-                        &Tokens::batch_first(&k, [b, lk, dk]),
-                        &Tokens::batch_first(&v, [b, lk, dv]),
+                        &Tokens::ble(&q, [b, lq, dq]),
+                        &Tokens::ble(&k, [b, lk, dk]),
+                        &Tokens::ble(&v, [b, lk, dv]),
                         &opts.isa(isa).outputs(true, false),
                     )
                     .unwrap();
@@ -315,10 +315,7 @@ fn parallel_equals_sequential_bitwise() {
         randn(&mut rng, b * lq * d, 1.0),
         randn(&mut rng, b * lk * d, 1.0),
     );
-    let (qt, kt) = (
-        Tokens::batch_first(&q, [b, lq, d]),
-        Tokens::batch_first(&k, [b, lk, d]),
-    );
+    let (qt, kt) = (Tokens::ble(&q, [b, lq, d]), Tokens::ble(&k, [b, lk, d]));
     let run = |par: Par, threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -409,9 +406,9 @@ fn bad_inputs_are_typed_errors() {
         vec![0.0f32; B * LK * DV],
     );
     let (qt, kt, vt) = (
-        Tokens::batch_first(&q, [B, LQ, DQ]),
-        Tokens::batch_first(&k, [B, LK, DK]),
-        Tokens::batch_first(&v, [B, LK, DV]),
+        Tokens::ble(&q, [B, LQ, DQ]),
+        Tokens::ble(&k, [B, LK, DK]),
+        Tokens::ble(&v, [B, LK, DV]),
     );
     let o = AdditiveOptions::new();
     assert_eq!(
@@ -423,7 +420,7 @@ fn bad_inputs_are_typed_errors() {
             got: DK
         }
     );
-    let v_short = Tokens::batch_first(&v[..B * 4 * DV], [B, 4, DV]);
+    let v_short = Tokens::ble(&v[..B * 4 * DV], [B, 4, DV]);
     assert_eq!(
         layer.forward(&qt, &kt, &v_short, &o).unwrap_err(),
         AttnError::ShapeMismatch {

@@ -38,13 +38,13 @@ fn check(
     let (qs, kvs) = ([b, hq, lq, d], [b, hkv, lk, d]);
     let layout = if blhd { Layout::Blhd } else { Layout::Bhld };
     let (tq, tk, tv) = (
-        Tensor::new(&q, qs, layout),
-        Tensor::new(&k, kvs, layout),
-        Tensor::new(&v, kvs, layout),
+        Tensor::new(&q, layout.sizes(qs), layout),
+        Tensor::new(&k, layout.sizes(kvs), layout),
+        Tensor::new(&v, layout.sizes(kvs), layout),
     );
     let run = |backend: Option<Backend>| -> Vec<f32> {
         let mut out = vec![f32::NAN; b * hq * lq * d];
-        let mut o = TensorMut::new(&mut out, qs, layout);
+        let mut o = TensorMut::new(&mut out, layout.sizes(qs), layout);
         match backend {
             Some(be) => sdpa_unfused_with(&tq, &tk, &tv, &mut o, opts, be).unwrap(),
             None => sdpa(&tq, &tk, &tv, &mut o, opts).unwrap(),

@@ -57,7 +57,7 @@ fn decode_path_equals_prefill_path() {
                     &Tensor::bhld(&q, [b, hq, lq, d]),
                     &Tensor::bhld(&k, [b, hkv, lk, d]),
                     &Tensor::bhld(&v, [b, hkv, lk, dv]),
-                    &mut TensorMut::blhd(&mut out, [b, hq, lq, dv]),
+                    &mut TensorMut::blhd(&mut out, [b, lq, hq, dv]),
                     &opts.kernel(path),
                     Extras {
                         lse: Some(&mut lse),
@@ -118,10 +118,10 @@ fn incremental_decoding(mods: bool) {
     let modify = |o| with(o, mods, &slopes, &sinks);
     let mut full = vec![0.0; b * len * hq * d];
     sdpa(
-        &Tensor::blhd(&q, [b, hq, len, d]),
-        &Tensor::blhd(&k, [b, hkv, len, d]),
-        &Tensor::blhd(&v, [b, hkv, len, d]),
-        &mut TensorMut::blhd(&mut full, [b, hq, len, d]),
+        &Tensor::blhd(&q, [b, len, hq, d]),
+        &Tensor::blhd(&k, [b, len, hkv, d]),
+        &Tensor::blhd(&v, [b, len, hkv, d]),
+        &mut TensorMut::blhd(&mut full, [b, len, hq, d]),
         &modify(SdpaOptions::new().causal(Causal::TopLeft)),
     )
     .unwrap();
@@ -158,7 +158,7 @@ fn incremental_decoding(mods: bool) {
             cache
                 .attend(
                     &qv,
-                    &mut TensorMut::blhd(&mut out, [b, hq, t, d]),
+                    &mut TensorMut::blhd(&mut out, [b, t, hq, d]),
                     &modify(SdpaOptions::new().isa(isa).causal(Causal::BottomRight)),
                 )
                 .unwrap();

@@ -252,7 +252,7 @@ fn shape_mismatch_names_argument_and_dimension() {
     let cases: Vec<(Edit, AttnError)> = vec![
         (|c| c.k[0] = 3, mismatch("k", "B", 2, 3)),
         (|c| c.k[3] = 9, mismatch("k", "D", 8, 9)),
-        (|c| c.v[0] = 1, mismatch("v", "B", 2, 1)),
+        (|c| c.v[0] = 3, mismatch("v", "B", 2, 3)),
         (|c| c.v[1] = 1, mismatch("v", "H", 2, 1)),
         (|c| c.v[2] = 8, mismatch("v", "Lk", 7, 8)),
         (|c| c.out[0] = 3, mismatch("out", "B", 2, 3)),
@@ -801,7 +801,12 @@ fn zero_head_dim_gives_uniform_average_of_v() {
         dv: 6,
     };
     let lens = [133usize, 50];
-    for causal in [None, Some(Causal::TopLeft), Some(Causal::BottomRight)] {
+    for causal in [
+        None,
+        Some(Causal::TopLeft),
+        Some(Causal::BottomRight),
+        Some(Causal::BottomRightAtLk),
+    ] {
         let (_, _, v) = zero_data(dims);
         for (out, lse, w) in run_zero(dims, causal, Some(&lens), 2 * 4 * 70 * 6) {
             for b in 0..dims.b {
@@ -813,6 +818,10 @@ fn zero_head_dim_gives_uniform_average_of_v() {
                             // Bottom-right aligns to each batch's own key length.
                             Some(Causal::BottomRight) => {
                                 (i + 1 + lens[b]).saturating_sub(dims.lq).min(lens[b])
+                            }
+                            // At Lk: the diagonal of the full buffer, then the padding.
+                            Some(Causal::BottomRightAtLk) => {
+                                (i + 1 + dims.lk).saturating_sub(dims.lq).min(lens[b])
                             }
                         };
                         let row = (b * dims.hq + h) * dims.lq + i;

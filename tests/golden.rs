@@ -18,7 +18,7 @@ use attnkit::{
     bf16, f16, sdpa, sdpa_ext, unfused, Causal, Extras, Isa, Kernel, MaskRef, Operand, SdpaOptions,
     Tensor, TensorMut,
 };
-use common::{compare, from_blhd, isas, to_blhd, ATOL, RTOL};
+use common::{compare, from_blhd, isas, lh, to_blhd, ATOL, RTOL};
 use std::path::{Path, PathBuf};
 
 // ---------------------------------------------------------------------------------------------
@@ -579,10 +579,10 @@ fn run(x: &Inputs, opts: &SdpaOptions, how: Run) -> Vec<f32> {
                 to_blhd(&x.v, x.vs),
             );
             let r = sdpa(
-                &Tensor::blhd(&q, x.qs),
-                &Tensor::blhd(&k, x.ks),
-                &Tensor::blhd(&v, x.vs),
-                &mut TensorMut::blhd(&mut out, x.os),
+                &Tensor::blhd(&q, lh(x.qs)),
+                &Tensor::blhd(&k, lh(x.ks)),
+                &Tensor::blhd(&v, lh(x.vs)),
+                &mut TensorMut::blhd(&mut out, lh(x.os)),
                 opts,
             );
             out = from_blhd(&out, x.os);

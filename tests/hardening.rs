@@ -222,7 +222,12 @@ fn decode_kernel_with_empty_rows_returns() {
 fn empty_rows_with_huge_key_count_return_at_once() {
     let lk = 1usize << 40;
     for path in [Kernel::Prefill, Kernel::Decode] {
-        for causal in [None, Some(Causal::TopLeft), Some(Causal::BottomRight)] {
+        for causal in [
+            None,
+            Some(Causal::TopLeft),
+            Some(Causal::BottomRight),
+            Some(Causal::BottomRightAtLk),
+        ] {
             let mut opts = SdpaOptions::new().kernel(path);
             if let Some(c) = causal {
                 opts = opts.causal(c);
@@ -243,7 +248,7 @@ fn empty_rows_with_huge_key_count_return_at_once() {
             let visible = |i: usize| match causal {
                 None => lk,
                 Some(Causal::TopLeft) => i + 1,
-                Some(Causal::BottomRight) => lk - 1 + i,
+                Some(Causal::BottomRight | Causal::BottomRightAtLk) => lk - 1 + i,
             };
             for (i, &got) in lse.iter().enumerate() {
                 let want = (visible(i) as f64).ln() as f32;
@@ -492,12 +497,12 @@ fn zero_sized_dimensions_with_huge_others() {
 fn tokens_with_huge_or_zero_sizes() {
     let x = [0.0f32; 8];
     let views = [
-        Tokens::batch_first(&x, [1, 1 << 40, 1 << 40]),
-        Tokens::seq_first(&x, [1 << 40, 1 << 40, 8]),
-        Tokens::batch_first(&x, [0, usize::MAX, usize::MAX]),
-        Tokens::seq_first(&x, [usize::MAX, 0, usize::MAX]),
-        Tokens::batch_first(&x, [0, usize::MAX, 8]),
-        Tokens::seq_first(&x, [0, usize::MAX, 8]),
+        Tokens::ble(&x, [1, 1 << 40, 1 << 40]),
+        Tokens::lbe(&x, [1 << 40, 1 << 40, 8]),
+        Tokens::ble(&x, [0, usize::MAX, usize::MAX]),
+        Tokens::lbe(&x, [usize::MAX, 0, usize::MAX]),
+        Tokens::ble(&x, [0, usize::MAX, 8]),
+        Tokens::lbe(&x, [0, usize::MAX, 8]),
     ];
     let lin = Linear::new(vec![0.0; 8], None, 1, 8).unwrap();
     for t in &views {
@@ -513,8 +518,8 @@ fn tokens_with_huge_or_zero_sizes() {
 #[test]
 fn layers_validate_before_allocating() {
     let x = [0.0f32; 8];
-    let huge = Tokens::batch_first(&x, [1 << 40, 1 << 20, 8]);
-    let small = Tokens::batch_first(&x, [1, 1, 8]);
+    let huge = Tokens::ble(&x, [1 << 40, 1 << 20, 8]);
+    let small = Tokens::ble(&x, [1, 1, 8]);
     let mut sd = StateDict::new();
     sd.insert("in_proj_weight", &[24, 8], &[0.0; 192]).unwrap();
     sd.insert("in_proj_bias", &[24], &[0.0; 24]).unwrap();
@@ -591,7 +596,7 @@ fn checkpoints_with_huge_empty_weights() {
     assert!(matches!(e, AttnError::Overflow { .. }), "{e}");
     // Loads (no bias to pack), but its projection cannot be allocated.
     let layer = SelfAttention::from_state_dict(&file([1 << 46, 1 << 46, 1], false), "").unwrap();
-    let x = Tokens::batch_first(&[], [1, 1, 0]);
+    let x = Tokens::ble(&[], [1, 1, 0]);
     let e = layer.forward(&x, &MhaOptions::new()).unwrap_err();
     assert!(matches!(e, AttnError::Alloc { .. }), "{e}");
     // `Linear` with out_features 2^46 and in_features 0.
@@ -610,7 +615,7 @@ fn layers_small_forward() {
     let x = vals(2 * 4, 12);
     let lin = Linear::new(w.clone(), Some(b.clone()), 3, 4).unwrap();
     let y = lin
-        .forward(&Tokens::batch_first(&x, [1, 2, 4]), Par::Rayon)
+        .forward(&Tokens::ble(&x, [1, 2, 4]), Par::Rayon)
         .unwrap();
     for t in 0..2 {
         for o in 0..3 {
@@ -643,9 +648,9 @@ fn layers_small_forward() {
         .par(Par::Rayon);
     let r = layer
         .forward(
-            &Tokens::batch_first(&q, [1, lq, dq]),
-            &Tokens::batch_first(&k, [1, lk, dk]),
-            &Tokens::batch_first(&v, [1, lk, dv]),
+            &Tokens::ble(&q, [1, lq, dq]),
+            &Tokens::ble(&k, [1, lk, dk]),
+            &Tokens::ble(&v, [1, lk, dv]),
             &opts,
         )
         .unwrap();

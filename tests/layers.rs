@@ -125,7 +125,7 @@ fn golden_mha_self() {
     let xs = to_seq_first(&x, b, l, e);
     for isa in isas() {
         for par in [Par::Rayon, Par::Seq] {
-            let t = Tokens::batch_first(&x, [b, l, e]);
+            let t = Tokens::ble(&x, [b, l, e]);
             let opts = MhaOptions::new().isa(isa).par(par).need_weights(true, true);
             let y = mha.forward(&t, &t, &t, &opts).unwrap();
             let e1 = check(&format!("{case} {isa} out"), &y.out, &out);
@@ -144,7 +144,7 @@ fn golden_mha_self() {
                 &w_ph,
             );
             // Sequence-first: the same numbers through strides.
-            let ts = Tokens::seq_first(&xs, [l, b, e]);
+            let ts = Tokens::lbe(&xs, [l, b, e]);
             let y = mha
                 .forward(&ts, &ts, &ts, &MhaOptions::new().isa(isa).par(par))
                 .unwrap();
@@ -156,13 +156,13 @@ fn golden_mha_self() {
             );
             // Separate (non-identical) query/key/value views of equal data: three GEMMs.
             let x2 = x.clone();
-            let t2 = Tokens::batch_first(&x2, [b, l, e]);
+            let t2 = Tokens::ble(&x2, [b, l, e]);
             let y = mha
                 .forward(&t, &t2, &t2, &MhaOptions::new().isa(isa).par(par))
                 .unwrap();
             check(&format!("{case} {isa} kv-fused"), &y.out, &out);
             let x3 = x.clone();
-            let t3 = Tokens::batch_first(&x3, [b, l, e]);
+            let t3 = Tokens::ble(&x3, [b, l, e]);
             let y = mha
                 .forward(&t, &t2, &t3, &MhaOptions::new().isa(isa).par(par))
                 .unwrap();
@@ -222,9 +222,9 @@ fn golden_mha_cross_kdim() {
     let lens = [11usize, 6];
     for isa in isas() {
         let (qt, kt, vt) = (
-            Tokens::batch_first(&q, [b, lq, e]),
-            Tokens::batch_first(&k, [b, lk, kdim]),
-            Tokens::batch_first(&v, [b, lk, vdim]),
+            Tokens::ble(&q, [b, lq, e]),
+            Tokens::ble(&k, [b, lk, kdim]),
+            Tokens::ble(&v, [b, lk, vdim]),
         );
         let mut errs = Vec::new();
         for (name, kp) in [
@@ -277,9 +277,9 @@ fn golden_mha_cross_kdim() {
         // Sequence-first.
         let y = mha
             .forward(
-                &Tokens::seq_first(&qs, [lq, b, e]),
-                &Tokens::seq_first(&ks, [lk, b, kdim]),
-                &Tokens::seq_first(&vs, [lk, b, vdim]),
+                &Tokens::lbe(&qs, [lq, b, e]),
+                &Tokens::lbe(&ks, [lk, b, kdim]),
+                &Tokens::lbe(&vs, [lk, b, vdim]),
                 &MhaOptions::new()
                     .isa(isa)
                     .key_padding_mask(KeyPadding::bool(&kpm, [b, lk])),
@@ -322,7 +322,7 @@ fn golden_mha_causal() {
     let w_avg = f64s(case, "attn_weights_avg", b * l * l);
     let w_ph = f64s(case, "attn_weights_per_head", b * h * l * l);
     for isa in isas() {
-        let t = Tokens::batch_first(&x, [b, l, e]);
+        let t = Tokens::ble(&x, [b, l, e]);
         let base = MhaOptions::new().isa(isa).need_weights(true, true);
         let mut errs = Vec::new();
         for (name, opts) in [
@@ -386,7 +386,7 @@ fn golden_self_attention_module() {
     let w = f64s(case, "weights", b * l * l);
     let xs = to_seq_first(&x, b, l, e);
     for isa in isas() {
-        let t = Tokens::batch_first(&x, [b, l, e]);
+        let t = Tokens::ble(&x, [b, l, e]);
         let y = layer
             .forward(&t, &MhaOptions::new().isa(isa).need_weights(true, true))
             .unwrap();
@@ -402,12 +402,12 @@ fn golden_self_attention_module() {
             .unwrap();
         check(&format!("{case} {isa} forward_cross"), &y.out, &out);
         let x2 = x.clone();
-        let t2 = Tokens::batch_first(&x2, [b, l, e]);
+        let t2 = Tokens::ble(&x2, [b, l, e]);
         let y = layer
             .forward_qkv(&t, &t2, &t, &MhaOptions::new().isa(isa).par(Par::Seq))
             .unwrap();
         check(&format!("{case} {isa} forward_qkv"), &y.out, &out);
-        let ts = Tokens::seq_first(&xs, [l, b, e]);
+        let ts = Tokens::lbe(&xs, [l, b, e]);
         let y = layer.forward(&ts, &MhaOptions::new().isa(isa)).unwrap();
         let e3 = check(
             &format!("{case} {isa} seq-first"),
@@ -708,9 +708,9 @@ fn random_shapes_match_f64_reference() {
             let (want, want_w) = refm.run(&q, &k, &v, b, lq, lk, mask.as_ref());
             for &isa in &isa_list {
                 let (qt, kt, vt) = (
-                    Tokens::batch_first(&q, [b, lq, e]),
-                    Tokens::batch_first(&k, [b, lk, kdim]),
-                    Tokens::batch_first(&v, [b, lk, vdim]),
+                    Tokens::ble(&q, [b, lq, e]),
+                    Tokens::ble(&k, [b, lk, kdim]),
+                    Tokens::ble(&v, [b, lk, vdim]),
                 );
                 let y = mha
                     .forward(&qt, &kt, &vt, &opts.isa(isa).need_weights(true, false))
@@ -764,7 +764,7 @@ fn safetensors_round_trip_gives_identical_outputs() {
     let (b, l, e) = (2, 9, 48);
     let reference = mha_self_layer();
     let x = f32s(case, "x", b * l * e);
-    let t = Tokens::batch_first(&x, [b, l, e]);
+    let t = Tokens::ble(&x, [b, l, e]);
     let opts = MhaOptions::new().need_weights(true, false);
     let want = reference.forward(&t, &t, &t, &opts).unwrap();
     // A model state dict: the MHA under a prefix, plus unrelated tensors of other dtypes.
@@ -987,8 +987,8 @@ fn bad_configuration_and_inputs_are_typed_errors() {
     let mha = mha_self_layer();
     let (b, l, e) = (2, 9, 48);
     let x = vec![0.1f32; b * l * e];
-    let t = Tokens::batch_first(&x, [b, l, e]);
-    let narrow = Tokens::batch_first(&x[..b * l * 40], [b, l, 40]);
+    let t = Tokens::ble(&x, [b, l, e]);
+    let narrow = Tokens::ble(&x[..b * l * 40], [b, l, 40]);
     let o = MhaOptions::new();
     assert_eq!(
         mha.forward(&narrow, &t, &t, &o).unwrap_err(),
@@ -1008,12 +1008,12 @@ fn bad_configuration_and_inputs_are_typed_errors() {
             got: 40
         }
     );
-    let short = Tokens::batch_first(&x[..100], [b, l, e]);
+    let short = Tokens::ble(&x[..100], [b, l, e]);
     assert!(matches!(
         mha.forward(&short, &t, &t, &o).unwrap_err(),
         AttnError::BufferLength { arg: "query", .. }
     ));
-    let one = Tokens::batch_first(&x[..l * e], [1, l, e]);
+    let one = Tokens::ble(&x[..l * e], [1, l, e]);
     assert_eq!(
         mha.forward(&t, &one, &one, &o).unwrap_err(),
         AttnError::ShapeMismatch {
@@ -1023,7 +1023,7 @@ fn bad_configuration_and_inputs_are_typed_errors() {
             got: 1
         }
     );
-    let shorter = Tokens::batch_first(&x[..b * 5 * e], [b, 5, e]);
+    let shorter = Tokens::ble(&x[..b * 5 * e], [b, 5, e]);
     assert_eq!(
         mha.forward(&t, &t, &shorter, &o).unwrap_err(),
         AttnError::ShapeMismatch {
@@ -1145,7 +1145,7 @@ fn fully_padded_batch_gives_bias_not_nan() {
     let mha = mha_self_layer();
     let (b, l, e) = (2, 9, 48);
     let x = f32s("mha_self", "x", b * l * e);
-    let t = Tokens::batch_first(&x, [b, l, e]);
+    let t = Tokens::ble(&x, [b, l, e]);
     let kpm: Vec<bool> = (0..b * l).map(|i| i >= l).collect(); // batch 1 fully padded
     let y = mha
         .forward(
@@ -1189,7 +1189,7 @@ fn results_do_not_depend_on_the_thread_count() {
         .unwrap();
     let mha = MultiheadAttention::from_state_dict(MhaConfig::new(e, h), &sd, "").unwrap();
     let x = randn(&mut rng, b * l * e, 1.0);
-    let t = Tokens::batch_first(&x, [b, l, e]);
+    let t = Tokens::ble(&x, [b, l, e]);
     let run = |par: Par, threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -1233,7 +1233,7 @@ fn mha_score_modifiers_reach_the_kernels() {
     let (b, l, e, h) = (2, 9, 48, 6);
     let mha = mha_self_layer();
     let x = f32s("mha_self", "x", b * l * e);
-    let t = Tokens::batch_first(&x, [b, l, e]);
+    let t = Tokens::ble(&x, [b, l, e]);
     let slopes = attnkit::alibi_slopes(h, 8.0);
     let mut bias = vec![0.0f32; b * h * l * l];
     for bh in 0..b * h {

@@ -15,7 +15,7 @@ use attnkit::{
     bf16, choose_kernel, f16, sdpa, sdpa_ext, sdpa_vec, AttnError, Causal, Elem, Extras, Kernel,
     MaskRef, Operand, SdpaOptions, Tensor, TensorMut,
 };
-use common::{isas, randn};
+use common::{isas, lh, randn};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -102,7 +102,7 @@ fn check<E: Operand + Elem>(rng: &mut SmallRng, shape: [usize; 7]) {
                         E::DTYPE
                     );
                     let (tq, tqf) = if blhd {
-                        (Tensor::blhd(&q, qs), Tensor::blhd(&qf, qs))
+                        (Tensor::blhd(&q, lh(qs)), Tensor::blhd(&qf, lh(qs)))
                     } else {
                         (Tensor::bhld(&q, qs), Tensor::bhld(&qf, qs))
                     };
@@ -113,7 +113,7 @@ fn check<E: Operand + Elem>(rng: &mut SmallRng, shape: [usize; 7]) {
                     let run_f32 =
                         |v: &[f32], out: &mut Vec<f32>, lse: &mut Vec<f32>, w: &mut Vec<f32>| {
                             let o = if blhd {
-                                &mut TensorMut::blhd(out, os)
+                                &mut TensorMut::blhd(out, lh(os))
                             } else {
                                 &mut TensorMut::bhld(out, os)
                             };
@@ -138,7 +138,7 @@ fn check<E: Operand + Elem>(rng: &mut SmallRng, shape: [usize; 7]) {
                     );
                     {
                         let o = if blhd {
-                            &mut TensorMut::blhd(&mut got, os)
+                            &mut TensorMut::blhd(&mut got, lh(os))
                         } else {
                             &mut TensorMut::bhld(&mut got, os)
                         };
@@ -186,7 +186,7 @@ fn check<E: Operand + Elem>(rng: &mut SmallRng, shape: [usize; 7]) {
                     let mut half = vec![E::from_f32(f32::NAN); n_out];
                     {
                         let o = if blhd {
-                            &mut TensorMut::blhd(&mut half, os)
+                            &mut TensorMut::blhd(&mut half, lh(os))
                         } else {
                             &mut TensorMut::bhld(&mut half, os)
                         };

@@ -8,7 +8,7 @@ mod common;
 use attnkit::{
     sdpa_ext, unfused, Causal, Extras, Isa, Kernel, MaskRef, Par, SdpaOptions, Tensor, TensorMut,
 };
-use common::{isas, randn, Dims};
+use common::{isas, lh, randn, Dims};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -55,7 +55,7 @@ fn data(s: &Setup) -> Data {
 
 fn tensor<'a>(s: &Setup, x: &'a [f32], shape: [usize; 4]) -> Tensor<'a> {
     if s.blhd {
-        Tensor::blhd(x, shape)
+        Tensor::blhd(x, lh(shape))
     } else {
         Tensor::bhld(x, shape)
     }
@@ -82,7 +82,7 @@ fn run(s: &Setup, x: &Data, isa: Isa, par: Par, fused: bool) -> Bits {
         tensor(s, &x.v, d.v()),
     );
     let mut o = if s.blhd {
-        TensorMut::blhd(&mut out, d.out())
+        TensorMut::blhd(&mut out, lh(d.out()))
     } else {
         TensorMut::bhld(&mut out, d.out())
     };

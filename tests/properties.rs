@@ -235,7 +235,7 @@ impl Case {
 /// A view of `s`: the dense constructors when unpadded (so they are exercised too), else strided.
 fn view(s: &Strided, spec: ViewSpec) -> Tensor<'_> {
     if spec.pad == 0 {
-        let t = Tensor::new(&s.buf, s.shape, spec.layout);
+        let t = Tensor::new(&s.buf, spec.layout.sizes(s.shape), spec.layout);
         assert_eq!(
             spec.layout.strides(s.shape),
             s.strides,
@@ -249,7 +249,7 @@ fn view(s: &Strided, spec: ViewSpec) -> Tensor<'_> {
 
 fn view_mut(s: &mut Strided, spec: ViewSpec) -> TensorMut<'_> {
     if spec.pad == 0 {
-        TensorMut::new(&mut s.buf, s.shape, spec.layout)
+        TensorMut::new(&mut s.buf, spec.layout.sizes(s.shape), spec.layout)
     } else {
         s.view_mut()
     }
@@ -396,9 +396,15 @@ fn random_case(seed: u64, max_work: usize) -> Case {
             d,
             dv,
         };
-        let causal = *[None, None, Some(Causal::TopLeft), Some(Causal::BottomRight)]
-            .choose(&mut rng)
-            .unwrap();
+        let causal = *[
+            None,
+            None,
+            Some(Causal::TopLeft),
+            Some(Causal::BottomRight),
+            Some(Causal::BottomRightAtLk),
+        ]
+        .choose(&mut rng)
+        .unwrap();
         let window =
             (causal.is_some() && rng.gen_bool(0.3)).then(|| rng.gen_range(1..=dims.lk + 1));
         let key_lengths = rng.gen_bool(0.3).then(|| {
@@ -1282,6 +1288,75 @@ fn bool_mask_and_bias_apply_together() {
                     .fold(0.0f32, f32::max);
                 assert!(moved > 1e-3, "{ctx}: the bool mask changed nothing");
             }
+        }
+    }
+}
+
+/// `Causal::BottomRightAtLk` with key lengths is PyTorch's `causal_lower_right` plus a
+/// key-padding mask: it equals the same call with the padding given as a bool mask (where
+/// `BottomRight` without key lengths is aligned at `Lk`), on every ISA and kernel. And it is a
+/// different rule from `Causal::BottomRight` with key lengths, whose diagonal ends at each
+/// batch's own last key (#18: the difference must be visible, not a surprise).
+#[test]
+fn bottom_right_at_lk_is_lower_right_plus_padding() {
+    let dims = Dims {
+        b: 3,
+        hq: 4,
+        hkv: 2,
+        lq: 6,
+        lk: 83,
+        d: 24,
+        dv: 16,
+    };
+    let lens = [83, 40, 0];
+    let mut rng = SmallRng::seed_from_u64(21);
+    let q = randn(&mut rng, dims.q().iter().product(), 1.0);
+    let k = randn(&mut rng, dims.k().iter().product(), 1.0);
+    let v = randn(&mut rng, dims.v().iter().product(), 1.0);
+    let ms = [dims.b, 1, 1, dims.lk];
+    let padding: Vec<bool> = (0..dims.b * dims.lk)
+        .map(|x| x % dims.lk < lens[x / dims.lk])
+        .collect();
+    let (qt, kt, vt) = (
+        Tensor::bhld(&q, dims.q()),
+        Tensor::bhld(&k, dims.k()),
+        Tensor::bhld(&v, dims.v()),
+    );
+    let n: usize = dims.out().iter().product();
+    for isa in isas() {
+        for kernel in KERNELS {
+            let run = |opts: SdpaOptions| {
+                let mut out = vec![0.0f32; n];
+                let mut ov = TensorMut::bhld(&mut out, dims.out());
+                run_kernel(kernel, &qt, &kt, &vt, &mut ov, &opts.isa(isa), None).unwrap();
+                out
+            };
+            let at_lk = run(SdpaOptions::new()
+                .causal(Causal::BottomRightAtLk)
+                .key_lengths(&lens));
+            let masked = run(SdpaOptions::new()
+                .causal(Causal::BottomRight)
+                .bool_mask(MaskRef::new(&padding, ms)));
+            let own = run(SdpaOptions::new()
+                .causal(Causal::BottomRight)
+                .key_lengths(&lens));
+            let ctx = format!("{isa} {kernel:?}");
+            let w64: Vec<f64> = masked.iter().map(|&x| x as f64).collect();
+            let (max, bad, _) = compare(&at_lk, &w64);
+            assert_eq!(
+                bad, 0,
+                "{ctx}: at Lk vs lower right + padding mask: {max:e}"
+            );
+            // Batch 0 is full (both rules agree), batch 1 is shorter than Lk (they differ).
+            let per_batch = n / dims.b;
+            assert_eq!(at_lk[..per_batch], own[..per_batch], "{ctx}: full batch");
+            let moved = (per_batch..2 * per_batch)
+                .map(|i| (at_lk[i] - own[i]).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                moved > 1e-3,
+                "{ctx}: the two alignments agree on a short batch"
+            );
         }
     }
 }

@@ -50,7 +50,7 @@ fn sdpa_job(isa: Isa, dims: [usize; 6], causal: Option<Causal>, bias: bool, path
             &Tensor::bhld(&q, [b, hq, lq, d]),
             &Tensor::bhld(&k, [b, hkv, lk, d]),
             &Tensor::bhld(&v, [b, hkv, lk, d]),
-            &mut TensorMut::blhd(&mut out, [b, hq, lq, d]),
+            &mut TensorMut::blhd(&mut out, [b, lq, hq, d]),
             &opts,
         )
         .unwrap();
@@ -95,7 +95,7 @@ fn mha_job() -> Job {
     let mha = MultiheadAttention::from_state_dict(MhaConfig::new(e, h), &sd, "").unwrap();
     let x = rand(13, b * l * e);
     Box::new(move |par| {
-        let x = Tokens::batch_first(&x, [b, l, e]);
+        let x = Tokens::ble(&x, [b, l, e]);
         let opts = MhaOptions::new()
             .causal(true)
             .need_weights(true, false)
@@ -130,9 +130,9 @@ fn additive_job() -> Job {
         let opts = AdditiveOptions::new().key_lengths(&lens).par(par);
         let r = layer
             .forward(
-                &Tokens::batch_first(&q, [b, lq, dq]),
-                &Tokens::batch_first(&k, [b, lk, dk]),
-                &Tokens::batch_first(&v, [b, lk, dv]),
+                &Tokens::ble(&q, [b, lq, dq]),
+                &Tokens::ble(&k, [b, lk, dk]),
+                &Tokens::ble(&v, [b, lk, dv]),
                 &opts,
             )
             .unwrap();

@@ -1,12 +1,65 @@
-//! Views: narrowing to rows (`Tensor::rows`, `TensorMut::rows`: the same memory and strides, a
-//! range outside L refused by name), and K/V broadcast over the batch with stride 0.
+//! Views: sizes given in the memory order a constructor's name spells, narrowing to rows
+//! (`Tensor::rows`, `TensorMut::rows`: the same memory and strides, a range outside L refused by
+//! name), and K/V broadcast over the batch (stride 0, or a batch of one).
 
-use attnkit::{sdpa, AttnError, KvCache, SdpaOptions, Tensor, TensorMut};
+use attnkit::{sdpa, AttnError, KvCache, SdpaOptions, Tensor, TensorMut, Tokens};
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n as u32)
         .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
         .collect()
+}
+
+/// `(B, L, H, D)` memory permuted to `(B, H, L, D)`.
+fn blhd_to_bhld(x: &[f32], [_, l, h, d]: [usize; 4]) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    for (i, v) in x.iter().enumerate() {
+        let (bi, li, hi, di) = (i / (l * h * d), i / (h * d) % l, i / d % h, i % d);
+        y[((bi * h + hi) * l + li) * d + di] = *v;
+    }
+    y
+}
+
+/// A named constructor takes its sizes in the memory order its name spells (#18: before,
+/// `Tensor::blhd` took the logical `(B, H, L, D)`, so `[B, L, H, D]` computed garbage). L ≠ H
+/// and Lq ≠ Lk, so no swapped order can pass: attention over `Tensor::blhd(x, [B, L, H, D])`
+/// views equals, bitwise, attention over the dense `(B, H, L, D)` copies, written back through
+/// `TensorMut::blhd`; `Tokens` likewise report the logical `(B, L, E)` of `[L, B, E]` memory.
+#[test]
+fn named_constructors_take_sizes_in_memory_order() {
+    let (b, h, lq, lk, d) = (2, 3, 5, 7, 4);
+    let q = values(b * lq * h * d, 11);
+    let (k, v) = (values(b * lk * h * d, 12), values(b * lk * h * d, 13));
+    let mut got = vec![0.0f32; q.len()];
+    sdpa(
+        &Tensor::blhd(&q, [b, lq, h, d]),
+        &Tensor::blhd(&k, [b, lk, h, d]),
+        &Tensor::blhd(&v, [b, lk, h, d]),
+        &mut TensorMut::blhd(&mut got, [b, lq, h, d]),
+        &SdpaOptions::new(),
+    )
+    .unwrap();
+    let (qp, kp, vp) = (
+        blhd_to_bhld(&q, [b, lq, h, d]),
+        blhd_to_bhld(&k, [b, lk, h, d]),
+        blhd_to_bhld(&v, [b, lk, h, d]),
+    );
+    let mut want = vec![0.0f32; q.len()];
+    sdpa(
+        &Tensor::bhld(&qp, [b, h, lq, d]),
+        &Tensor::bhld(&kp, [b, h, lk, d]),
+        &Tensor::bhld(&vp, [b, h, lk, d]),
+        &mut TensorMut::bhld(&mut want, [b, h, lq, d]),
+        &SdpaOptions::new(),
+    )
+    .unwrap();
+    assert_eq!(blhd_to_bhld(&got, [b, lq, h, d]), want);
+    assert_eq!(Tensor::blhd(&q, [b, lq, h, d]).shape(), [b, h, lq, d]);
+
+    let x = values(lq * b * d, 14);
+    assert_eq!(Tokens::lbe(&x, [lq, b, d]).shape(), [b, lq, d]);
+    assert_eq!(Tokens::ble(&x, [b, lq, d]).shape(), [b, lq, d]);
+    assert_eq!(Tokens::le(&x, [b * lq, d]).shape(), [1, b * lq, d]);
 }
 
 #[test]
@@ -41,8 +94,8 @@ fn token_by_token_appends_through_rows() {
     let (b, h, l, d, dv) = (2, 3, 7, 5, 6);
     let (k, v) = (values(b * l * h * d, 1), values(b * l * h * dv, 2));
     let (kt, vt) = (
-        Tensor::blhd(&k, [b, h, l, d]),
-        Tensor::blhd(&v, [b, h, l, dv]),
+        Tensor::blhd(&k, [b, l, h, d]),
+        Tensor::blhd(&v, [b, l, h, dv]),
     );
     let mut whole = KvCache::new(b, h, l, d, dv).unwrap();
     whole.append(&kt, &vt).unwrap();
@@ -74,20 +127,20 @@ fn sdpa_on_row_ranges() {
     let (b, h, l, d) = (2, 2, 37, 8);
     let q = values(b * h * l * d, 4);
     let kv = values(b * h * l * d, 5);
-    let shape = [b, h, l, d];
-    let (qt, kt) = (Tensor::blhd(&q, shape), Tensor::blhd(&kv, shape));
+    let sizes = [b, l, h, d];
+    let (qt, kt) = (Tensor::blhd(&q, sizes), Tensor::blhd(&kv, sizes));
     let mut full = vec![0.0f32; q.len()];
     sdpa(
         &qt,
         &kt,
         &kt,
-        &mut TensorMut::blhd(&mut full, shape),
+        &mut TensorMut::blhd(&mut full, sizes),
         &SdpaOptions::new(),
     )
     .unwrap();
     for (a, e) in [(0, 37), (5, 21), (36, 37), (10, 10)] {
         let mut out = vec![f32::NAN; q.len()];
-        let mut ot = TensorMut::blhd(&mut out, shape);
+        let mut ot = TensorMut::blhd(&mut out, sizes);
         sdpa(
             &qt.rows(a..e).unwrap(),
             &kt,
@@ -111,9 +164,10 @@ fn sdpa_on_row_ranges() {
     }
 }
 
-/// K and V shared by every batch element (B stride 0: one encoder output, or one shared
-/// prefix, attended by a batch of queries) give what their copy per batch element gives,
-/// bitwise, on both kernels and the unfused path.
+/// K and V shared by every batch element (one encoder output, or one shared prefix, attended by
+/// a batch of queries), given with B stride 0 or as a batch of one, give what their copy per
+/// batch element gives, bitwise, on both kernels and the unfused path. Any other K/V batch size
+/// is refused.
 #[test]
 fn kv_broadcast_over_the_batch() {
     use attnkit::{unfused, Kernel};
@@ -142,10 +196,17 @@ fn kv_broadcast_over_the_batch() {
                 .unwrap();
                 out
             };
+            let copied = run(Tensor::bhld(&kb, shape), Tensor::bhld(&vb, shape));
+            let one = [1, hkv, lk, d];
             assert_eq!(
                 run(shared(&k1, shape), shared(&v1, shape)),
-                run(Tensor::bhld(&kb, shape), Tensor::bhld(&vb, shape)),
+                copied,
                 "{kernel:?}, rows {rows:?}"
+            );
+            assert_eq!(
+                run(Tensor::bhld(&k1, one), Tensor::bhld(&v1, one)),
+                copied,
+                "{kernel:?}, rows {rows:?}, a batch of one"
             );
         }
     }
@@ -161,8 +222,24 @@ fn kv_broadcast_over_the_batch() {
         .unwrap();
         out
     };
+    let copied = run(Tensor::bhld(&kb, shape), Tensor::bhld(&vb, shape));
+    assert_eq!(run(shared(&k1, shape), shared(&v1, shape)), copied);
+    let one = [1, hkv, lk, d];
+    assert_eq!(run(Tensor::bhld(&k1, one), Tensor::bhld(&v1, one)), copied);
+    let two = [2, hkv, lk, d];
+    let r = attnkit::sdpa_vec(
+        &qt,
+        &Tensor::bhld(&kb, two),
+        &Tensor::bhld(&vb, two),
+        &SdpaOptions::new(),
+    );
     assert_eq!(
-        run(shared(&k1, shape), shared(&v1, shape)),
-        run(Tensor::bhld(&kb, shape), Tensor::bhld(&vb, shape))
+        r.err(),
+        Some(AttnError::ShapeMismatch {
+            arg: "k",
+            dim: "B",
+            expected: b,
+            got: 2
+        })
     );
 }

@@ -12,8 +12,8 @@
 
 use arbitrary::{Result, Unstructured};
 use attnkit::{
-    bf16, f16, AttnError, Kernel, KvCache, Operand, PagedKvCache, Par, SdpaOptions, SeqId,
-    Tensor, TensorMut,
+    bf16, f16, AttnError, Kernel, KvCache, Operand, PagedKvCache, Par, SdpaOptions, SeqId, Tensor,
+    TensorMut,
 };
 use attnkit_fuzz::gen::{chance, small, Rng};
 use libfuzzer_sys::fuzz_target;
@@ -108,7 +108,13 @@ impl<E: Operand> Fx<E> {
             seqs: self
                 .live
                 .keys()
-                .map(|&s| (s, self.c.len(s).unwrap(), self.c.pages_of(s).unwrap().to_vec()))
+                .map(|&s| {
+                    (
+                        s,
+                        self.c.len(s).unwrap(),
+                        self.c.pages_of(s).unwrap().to_vec(),
+                    )
+                })
                 .collect(),
         }
     }
@@ -158,7 +164,10 @@ impl<E: Operand> Fx<E> {
                 self.dead.push(s);
             }
             Err(e) => {
-                assert!(!live && matches!(e, AttnError::UnknownSequence { .. }), "{e:?}");
+                assert!(
+                    !live && matches!(e, AttnError::UnknownSequence { .. }),
+                    "{e:?}"
+                );
                 assert_eq!(self.state(), before);
             }
         }
@@ -237,9 +246,15 @@ impl<E: Operand> Fx<E> {
         let pool = !unknown && !repeated && !wrong_d;
         let needed = if pool { self.pages_needed(&seqs, t) } else { 0 };
         let refused_nan = nan && E::DTYPE == attnkit::Dtype::I8;
-        match self.c.append(&seqs, &Tensor::bhld(&k, ks), &Tensor::bhld(&v, vs)) {
+        match self
+            .c
+            .append(&seqs, &Tensor::bhld(&k, ks), &Tensor::bhld(&v, vs))
+        {
             Ok(()) => {
-                assert!(pool && needed <= before.free && !refused_nan, "append accepted");
+                assert!(
+                    pool && needed <= before.free && !refused_nan,
+                    "append accepted"
+                );
                 for (b, s) in seqs.iter().enumerate() {
                     let x = self.live.get_mut(s).unwrap();
                     for i in 0..t {
@@ -262,7 +277,14 @@ impl<E: Operand> Fx<E> {
                 } else if repeated {
                     matches!(e, AttnError::BadParam { arg: "seqs", .. })
                 } else if wrong_d {
-                    matches!(e, AttnError::ShapeMismatch { arg: "k", dim: "D", .. })
+                    matches!(
+                        e,
+                        AttnError::ShapeMismatch {
+                            arg: "k",
+                            dim: "D",
+                            ..
+                        }
+                    )
                 } else if needed > before.free {
                     e == AttnError::PoolExhausted {
                         needed,
@@ -308,7 +330,10 @@ impl<E: Operand> Fx<E> {
             match r {
                 Ok(()) => assert!(!unknown, "attend of a dead sequence accepted"),
                 Err(e) => {
-                    assert!(unknown && matches!(e, AttnError::UnknownSequence { .. }), "{e:?}");
+                    assert!(
+                        unknown && matches!(e, AttnError::UnknownSequence { .. }),
+                        "{e:?}"
+                    );
                     assert!(out.iter().all(|x| x.is_nan()), "a refused attend wrote");
                     return Ok(());
                 }
@@ -341,11 +366,21 @@ impl<E: Operand> Fx<E> {
             flat.truncate(b, len).unwrap();
         }
         let mut want = vec![f32::NAN; n * hq * lq * self.dv];
-        flat.attend(&Tensor::bhld(&q, qs), &mut TensorMut::bhld(&mut want, os), &opts)
-            .unwrap();
+        flat.attend(
+            &Tensor::bhld(&q, qs),
+            &mut TensorMut::bhld(&mut want, os),
+            &opts,
+        )
+        .unwrap();
         for out in &outs {
-            let same = out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "paged attend differs from the contiguous cache: lens {lens:?}");
+            let same = out
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "paged attend differs from the contiguous cache: lens {lens:?}"
+            );
         }
         Ok(())
     }

@@ -443,9 +443,9 @@ impl Input {
     fn tokens(&self) -> Tokens<'_> {
         let [b, l, e] = self.shape;
         if self.seq_first {
-            Tokens::seq_first(&self.data, [l, b, e])
+            Tokens::lbe(&self.data, [l, b, e])
         } else {
-            Tokens::batch_first(&self.data, [b, l, e])
+            Tokens::ble(&self.data, [b, l, e])
         }
     }
 

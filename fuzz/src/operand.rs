@@ -151,7 +151,7 @@ impl Operand {
     pub fn tensor(&self) -> Tensor<'_> {
         match self.form {
             Form::Bhld => Tensor::bhld(&self.data, self.shape),
-            Form::Blhd => Tensor::blhd(&self.data, self.shape),
+            Form::Blhd => Tensor::blhd(&self.data, Layout::Blhd.sizes(self.shape)),
             Form::Strided => Tensor::strided(&self.data, self.shape, self.strides),
         }
     }
@@ -160,7 +160,7 @@ impl Operand {
     pub fn tensor_mut(&mut self) -> TensorMut<'_> {
         match self.form {
             Form::Bhld => TensorMut::bhld(&mut self.data, self.shape),
-            Form::Blhd => TensorMut::blhd(&mut self.data, self.shape),
+            Form::Blhd => TensorMut::blhd(&mut self.data, Layout::Blhd.sizes(self.shape)),
             Form::Strided => TensorMut::strided(&mut self.data, self.shape, self.strides),
         }
     }

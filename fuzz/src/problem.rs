@@ -258,7 +258,12 @@ impl OptSpec {
         let causal = if cache {
             None
         } else {
-            *u.choose(&[None, Some(Causal::TopLeft), Some(Causal::BottomRight)])?
+            *u.choose(&[
+                None,
+                Some(Causal::TopLeft),
+                Some(Causal::BottomRight),
+                Some(Causal::BottomRightAtLk),
+            ])?
         };
         let window = decode_window(u, dims.lk, cache || causal.is_some(), expect)?;
         let key_lengths = if !cache && chance(u, 1, 4)? {

@@ -54,6 +54,7 @@ impl Spec<'_> {
         let offset = match causal {
             Causal::TopLeft => 0,
             Causal::BottomRight => key_len as i128 - self.dims.lq as i128,
+            Causal::BottomRightAtLk => self.dims.lk as i128 - self.dims.lq as i128,
         };
         let diag = i as i128 + offset;
         let (j, w) = (j as i128, self.window.map(|w| w as i128));
@@ -116,6 +117,7 @@ impl Spec<'_> {
                             let alibi = self.alibi.map_or(0.0, |a| {
                                 let off = match self.causal {
                                     Some(Causal::TopLeft) => 0.0,
+                                    Some(Causal::BottomRightAtLk) => lk as f64 - lq as f64,
                                     _ => key_len as f64 - lq as f64,
                                 };
                                 -f64::from(a[h]) * (i as f64 + off - j as f64).abs()

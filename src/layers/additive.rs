@@ -127,9 +127,9 @@ pub struct AdditiveOutput {
 /// let layer = AdditiveAttention::new(vec![0.1; a * dq], vec![0.2; a * dk], None, vec![1.0; a], a, dq, dk)?;
 /// let (q, k, v) = (vec![1.0f32; 2 * dq], vec![0.5f32; 3 * dk], vec![2.0f32; 3 * 5]);
 /// let y = layer.forward(
-///     &Tokens::batch_first(&q, [1, 2, dq]),
-///     &Tokens::batch_first(&k, [1, 3, dk]),
-///     &Tokens::batch_first(&v, [1, 3, 5]),
+///     &Tokens::ble(&q, [1, 2, dq]),
+///     &Tokens::ble(&k, [1, 3, dk]),
+///     &Tokens::ble(&v, [1, 3, 5]),
 ///     &AdditiveOptions::new(),
 /// )?;
 /// assert_eq!(y.shape, [1, 2, 5]);

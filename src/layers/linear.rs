@@ -122,7 +122,7 @@ pub(crate) unsafe fn project(
 /// for i in 0..3 { w[i * 3 + i] = 2.0; }
 /// let lin = Linear::new(w, Some(vec![1.0; 3]), 3, 3)?;
 /// let x = [1.0f32, 2.0, 3.0];
-/// let y = lin.forward(&Tokens::batch_first(&x, [1, 1, 3]), Par::Seq)?;
+/// let y = lin.forward(&Tokens::ble(&x, [1, 1, 3]), Par::Seq)?;
 /// assert_eq!(y, [3.0, 5.0, 7.0]);
 /// # Ok::<(), attnkit::AttnError>(())
 /// ```

@@ -43,7 +43,7 @@ use crate::error::{AttnError, Result};
 /// let lin = || Linear::new(eye.clone(), None, d, d);
 /// let layer = SelfAttention::new(lin()?, lin()?, lin()?)?;
 /// let x = vec![1.0f32; 2 * 3 * d];
-/// let y = layer.forward(&Tokens::batch_first(&x, [2, 3, d]), &MhaOptions::new())?;
+/// let y = layer.forward(&Tokens::ble(&x, [2, 3, d]), &MhaOptions::new())?;
 /// assert_eq!(y.shape, [2, 3, d]);
 /// assert!(y.out.iter().all(|&v| (v - 1.0).abs() < 1e-6));
 /// # Ok::<(), attnkit::AttnError>(())

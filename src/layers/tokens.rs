@@ -7,15 +7,17 @@ use crate::view::check_len;
 /// at `b·strides[0] + l·strides[1] + e` (the vector axis is contiguous). Building one never
 /// copies and never fails; the layer that reads it validates it and names it in errors.
 ///
-/// PyTorch's two layouts are both plain strides: `batch_first=True` is
-/// [`Tokens::batch_first`] `(B, L, E)`, the default sequence-first layout is
-/// [`Tokens::seq_first`] `(L, B, E)`. Layer outputs use the memory order of the query.
+/// PyTorch's two layouts are both plain strides: `batch_first=True` is [`Tokens::ble`]
+/// `(B, L, E)`, the default sequence-first layout is [`Tokens::lbe`] `(L, B, E)`. As for
+/// [`Tensor`](crate::Tensor), the letters of a constructor's name are its memory order and the
+/// order of its sizes; [`Tokens::shape`] is the logical `(B, L, E)`. Layer outputs use the
+/// memory order of the query.
 ///
 /// ```
 /// use attnkit::Tokens;
 /// let x = vec![0.0f32; 2 * 10 * 128];
-/// let bf = Tokens::batch_first(&x, [2, 10, 128]); // (B, L, E)
-/// let sf = Tokens::seq_first(&x, [10, 2, 128]);   // (L, B, E) memory, same logical shape
+/// let bf = Tokens::ble(&x, [2, 10, 128]); // (B, L, E) memory
+/// let sf = Tokens::lbe(&x, [10, 2, 128]); // (L, B, E) memory, same logical shape
 /// assert_eq!(bf.shape(), [2, 10, 128]);
 /// assert_eq!(sf.shape(), [2, 10, 128]);
 /// ```
@@ -27,9 +29,9 @@ pub struct Tokens<'a> {
 }
 
 impl<'a> Tokens<'a> {
-    /// Dense `(B, L, E)` memory (PyTorch `batch_first=True`).
-    pub fn batch_first(data: &'a [f32], shape: [usize; 3]) -> Self {
-        let [b, l, e] = shape;
+    /// Dense `(B, L, E)` memory (PyTorch's `batch_first=True`); `sizes = [B, L, E]`.
+    pub fn ble(data: &'a [f32], sizes: [usize; 3]) -> Self {
+        let [b, l, e] = sizes;
         Tokens {
             data,
             shape: [b, l, e],
@@ -37,21 +39,22 @@ impl<'a> Tokens<'a> {
             strides: [l.saturating_mul(e), e],
         }
     }
-    /// Dense `(L, B, E)` memory (PyTorch's default `batch_first=False`); `shape` is given in that
-    /// memory order, `[L, B, E]`.
-    pub fn seq_first(data: &'a [f32], shape: [usize; 3]) -> Self {
-        let [l, b, e] = shape;
+    /// Dense `(L, B, E)` memory (PyTorch's default `batch_first=False`); `sizes = [L, B, E]`,
+    /// in memory order like every named constructor.
+    pub fn lbe(data: &'a [f32], sizes: [usize; 3]) -> Self {
+        let [l, b, e] = sizes;
         Tokens {
             data,
             shape: [b, l, e],
             strides: [e, b.saturating_mul(e)],
         }
     }
-    /// One unbatched sequence `(L, E)` (B = 1).
-    pub fn unbatched(data: &'a [f32], shape: [usize; 2]) -> Self {
-        Self::batch_first(data, [1, shape[0], shape[1]])
+    /// One unbatched sequence, dense `(L, E)` memory (B = 1); `sizes = [L, E]`.
+    pub fn le(data: &'a [f32], sizes: [usize; 2]) -> Self {
+        Self::ble(data, [1, sizes[0], sizes[1]])
     }
-    /// Any strides for B and L (`E` contiguous), e.g. a slice of a wider buffer.
+    /// The logical shape `(B, L, E)` with any strides for B and L (`E` contiguous), e.g. a slice
+    /// of a wider buffer.
     pub fn strided(data: &'a [f32], shape: [usize; 3], strides: [usize; 2]) -> Self {
         Tokens {
             data,

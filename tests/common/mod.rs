@@ -190,6 +190,7 @@ pub fn reference(p: &Problem) -> RefOut {
                         None => None,
                         Some(Causal::TopLeft) => Some(0),
                         Some(Causal::BottomRight) => Some(klen as isize - lq as isize),
+                        Some(Causal::BottomRightAtLk) => Some(lk as isize - lq as isize),
                     };
                     if let Some(off) = off {
                         let diag = i as isize + off;
@@ -220,6 +221,7 @@ pub fn reference(p: &Problem) -> RefOut {
                     let alibi = p.alibi.map_or(0.0, |a| {
                         let off = match p.causal {
                             Some(Causal::TopLeft) => 0.0,
+                            Some(Causal::BottomRightAtLk) => lk as f64 - lq as f64,
                             _ => klen as f64 - lq as f64,
                         };
                         -(a[h] as f64) * (i as f64 + off - j as f64).abs()
@@ -361,6 +363,12 @@ impl Strided {
     pub fn view_mut(&mut self) -> attnkit::TensorMut<'_> {
         attnkit::TensorMut::strided(&mut self.buf, self.shape, self.strides)
     }
+}
+
+/// The memory-order sizes `[B, L, H, D]` of a logical `(B, H, L, D)` shape (what
+/// `Tensor::blhd` takes).
+pub fn lh(shape: [usize; 4]) -> [usize; 4] {
+    [shape[0], shape[2], shape[1], shape[3]]
 }
 
 /// Dense `(B, H, L, D)` re-laid-out as dense `(B, L, H, D)`.

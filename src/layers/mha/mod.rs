@@ -52,7 +52,7 @@ use std::path::Path;
 /// sd.insert("out_proj.bias", &[e], &vec![0.0; e])?;
 /// let mha = MultiheadAttention::from_state_dict(MhaConfig::new(e, h), &sd, "")?;
 /// let x = vec![0.5f32; 2 * 3 * e];
-/// let x = Tokens::batch_first(&x, [2, 3, e]);
+/// let x = Tokens::ble(&x, [2, 3, e]);
 /// let y = mha.forward(&x, &x, &x, &MhaOptions::new().need_weights(true, true))?;
 /// assert_eq!(y.shape, [2, 3, e]);
 /// assert_eq!(y.weights_shape, [2, 3, 3]);
