@@ -5,9 +5,7 @@
 
 mod common;
 
-use attnkit::{
-    AdditiveAttention, AdditiveOptions, AttnError, AttnMask, MaskRef, Par, StateDict, Tokens,
-};
+use attnkit::{AdditiveAttention, AdditiveOptions, AttnError, AttnMask, MaskRef, Par, Tokens};
 use common::{compare, isas, randn};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -339,10 +337,11 @@ fn parallel_equals_sequential_bitwise() {
 }
 
 #[test]
+#[cfg(feature = "safetensors")]
 fn state_dict_round_trip_and_errors() {
     let layer = golden_layer();
     let bytes = layer.state_dict("attention").to_safetensors().unwrap();
-    let sd = StateDict::from_safetensors(&bytes).unwrap();
+    let sd = attnkit::StateDict::from_safetensors(&bytes).unwrap();
     assert_eq!(
         AdditiveAttention::from_state_dict(&sd, "attention").unwrap(),
         layer

@@ -12,7 +12,7 @@ use attnkit::kernels::{
 use attnkit::{
     sdpa, sdpa_ext, sdpa_vec, AdditiveAttention, AdditiveOptions, AttnError, Causal, Extras,
     Kernel, KvCache, Linear, MaskRef, MhaConfig, MhaOptions, MultiheadAttention, Par, SdpaOptions,
-    SelfAttention, StateDict, Tensor, TensorMut, Tokens,
+    StateDict, Tensor, TensorMut, Tokens,
 };
 use common::{close, isas, reference, Dims, Problem, RefMask, ATOL, RTOL};
 
@@ -573,6 +573,7 @@ fn mha_config_too_large_to_hold() {
 /// A `[huge, 0]` weight holds no values, so a 300-byte checkpoint can declare any width: the
 /// layers then refuse (overflow) or fail to allocate, never abort or overflow.
 #[test]
+#[cfg(feature = "safetensors")]
 #[cfg_attr(miri, ignore = "huge allocations")]
 fn checkpoints_with_huge_empty_weights() {
     let file = |rows: [usize; 3], bias: bool| {
@@ -589,13 +590,16 @@ fn checkpoints_with_huge_empty_weights() {
         StateDict::from_safetensors(&bytes).unwrap()
     };
     // The packed bias would be 2^47 + 1 floats.
-    let e = SelfAttention::from_state_dict(&file([1 << 46, 1 << 46, 1], true), "").unwrap_err();
+    let e = attnkit::SelfAttention::from_state_dict(&file([1 << 46, 1 << 46, 1], true), "")
+        .unwrap_err();
     assert!(matches!(e, AttnError::Alloc { .. }), "{e}");
     // Widths whose sum overflows.
-    let e = SelfAttention::from_state_dict(&file([1 << 63, 1 << 63, 1], false), "").unwrap_err();
+    let e = attnkit::SelfAttention::from_state_dict(&file([1 << 63, 1 << 63, 1], false), "")
+        .unwrap_err();
     assert!(matches!(e, AttnError::Overflow { .. }), "{e}");
     // Loads (no bias to pack), but its projection cannot be allocated.
-    let layer = SelfAttention::from_state_dict(&file([1 << 46, 1 << 46, 1], false), "").unwrap();
+    let layer =
+        attnkit::SelfAttention::from_state_dict(&file([1 << 46, 1 << 46, 1], false), "").unwrap();
     let x = Tokens::ble(&[], [1, 1, 0]);
     let e = layer.forward(&x, &MhaOptions::new()).unwrap_err();
     assert!(matches!(e, AttnError::Alloc { .. }), "{e}");

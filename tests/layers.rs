@@ -729,215 +729,221 @@ fn random_shapes_match_f64_reference() {
 // ---------------------------------------------------------------------------------------------
 // safetensors.
 
-fn temp_path(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!(
-        "attnkit-layers-{}-{name}.safetensors",
-        std::process::id()
-    ))
-}
+/// Checkpoint files (the `safetensors` feature).
+#[cfg(feature = "safetensors")]
+mod checkpoints {
+    use super::*;
 
-/// Serialises `(name, dtype, shape, bytes)` with the safetensors crate, as PyTorch's
-/// `safetensors.torch.save_file(model.state_dict())` would.
-fn write_safetensors(
-    path: &std::path::Path,
-    tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)],
-) {
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| {
+    fn temp_path(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!(
+            "attnkit-layers-{}-{name}.safetensors",
+            std::process::id()
+        ))
+    }
+
+    /// Serialises `(name, dtype, shape, bytes)` with the safetensors crate, as PyTorch's
+    /// `safetensors.torch.save_file(model.state_dict())` would.
+    fn write_safetensors(
+        path: &std::path::Path,
+        tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)],
+    ) {
+        let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    fn le32(x: &[f32]) -> Vec<u8> {
+        x.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn safetensors_round_trip_gives_identical_outputs() {
+        let case = "mha_self";
+        let (b, l, e) = (2, 9, 48);
+        let reference = mha_self_layer();
+        let x = f32s(case, "x", b * l * e);
+        let t = Tokens::ble(&x, [b, l, e]);
+        let opts = MhaOptions::new().need_weights(true, false);
+        let want = reference.forward(&t, &t, &t, &opts).unwrap();
+        // A model state dict: the MHA under a prefix, plus unrelated tensors of other dtypes.
+        let prefix = "encoder.layers.0.self_attn";
+        let mut tensors = vec![
             (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                "encoder.layers.0.norm1.num_batches_tracked".to_string(),
+                safetensors::Dtype::I64,
+                vec![],
+                7i64.to_le_bytes().to_vec(),
+            ),
+            (
+                "encoder.layers.0.norm1.weight".to_string(),
+                safetensors::Dtype::F32,
+                vec![48],
+                le32(&[1.0; 48]),
+            ),
+        ];
+        for (name, file, shape) in [
+            ("in_proj_weight", "in_proj_weight", vec![144, 48]),
+            ("in_proj_bias", "in_proj_bias", vec![144]),
+            ("out_proj.weight", "out_proj_weight", vec![48, 48]),
+            ("out_proj.bias", "out_proj_bias", vec![48]),
+        ] {
+            let data = f32s(case, file, shape.iter().product());
+            tensors.push((
+                format!("{prefix}.{name}"),
+                safetensors::Dtype::F32,
+                shape,
+                le32(&data),
+            ));
+        }
+        let p = temp_path("mha");
+        write_safetensors(&p, &tensors);
+        let loaded = MultiheadAttention::load(MhaConfig::new(48, 6), &p, prefix).unwrap();
+        assert_eq!(loaded, reference);
+        let got = loaded.forward(&t, &t, &t, &opts).unwrap();
+        assert_eq!(
+            got, want,
+            "loaded weights must give bitwise identical outputs"
+        );
+        // Our own writer round-trips too (with and without a prefix).
+        let p2 = temp_path("mha-ours");
+        reference.state_dict("attn").save(&p2).unwrap();
+        assert_eq!(
+            MultiheadAttention::load(MhaConfig::new(48, 6), &p2, "attn.").unwrap(),
+            reference
+        );
+        // The self-attention module and a kdim/vdim MHA.
+        let sa = self_attention_layer();
+        let bytes = sa.state_dict("sa").to_safetensors().unwrap();
+        assert_eq!(
+            SelfAttention::from_state_dict(&StateDict::from_safetensors(&bytes).unwrap(), "sa")
+                .unwrap(),
+            sa
+        );
+        // Half-precision checkpoints convert exactly (bf16: the top 16 bits of f32).
+        let mut bf = tensors.clone();
+        for t in bf.iter_mut().filter(|t| t.1 == safetensors::Dtype::F32) {
+            t.3 = t.3.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
+            t.1 = safetensors::Dtype::BF16;
+        }
+        let p3 = temp_path("mha-bf16");
+        write_safetensors(&p3, &bf);
+        let sd = StateDict::load(&p3).unwrap();
+        let (_, w) = sd.tensor(&format!("{prefix}.in_proj_weight")).unwrap();
+        let orig = f32s(case, "in_proj_weight", 144 * 48);
+        assert!(w
+            .iter()
+            .zip(&orig)
+            .all(|(a, b)| a.to_bits() == b.to_bits() & 0xffff_0000));
+        MultiheadAttention::from_state_dict(MhaConfig::new(48, 6), &sd, prefix).unwrap();
+        for p in [p, p2, p3] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    #[test]
+    fn safetensors_errors_name_the_tensor() {
+        let case = "mha_self";
+        let good: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = [
+            ("in_proj_weight", "in_proj_weight", vec![144usize, 48]),
+            ("in_proj_bias", "in_proj_bias", vec![144]),
+            ("out_proj.weight", "out_proj_weight", vec![48, 48]),
+            ("out_proj.bias", "out_proj_bias", vec![48]),
+        ]
+        .into_iter()
+        .map(|(n, f, s)| {
+            (
+                format!("m.{n}"),
+                safetensors::Dtype::F32,
+                s.clone(),
+                le32(&f32s(case, f, s.iter().product())),
             )
         })
         .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
-}
-
-fn le32(x: &[f32]) -> Vec<u8> {
-    x.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
-#[test]
-fn safetensors_round_trip_gives_identical_outputs() {
-    let case = "mha_self";
-    let (b, l, e) = (2, 9, 48);
-    let reference = mha_self_layer();
-    let x = f32s(case, "x", b * l * e);
-    let t = Tokens::ble(&x, [b, l, e]);
-    let opts = MhaOptions::new().need_weights(true, false);
-    let want = reference.forward(&t, &t, &t, &opts).unwrap();
-    // A model state dict: the MHA under a prefix, plus unrelated tensors of other dtypes.
-    let prefix = "encoder.layers.0.self_attn";
-    let mut tensors = vec![
-        (
-            "encoder.layers.0.norm1.num_batches_tracked".to_string(),
-            safetensors::Dtype::I64,
-            vec![],
-            7i64.to_le_bytes().to_vec(),
-        ),
-        (
-            "encoder.layers.0.norm1.weight".to_string(),
-            safetensors::Dtype::F32,
-            vec![48],
-            le32(&[1.0; 48]),
-        ),
-    ];
-    for (name, file, shape) in [
-        ("in_proj_weight", "in_proj_weight", vec![144, 48]),
-        ("in_proj_bias", "in_proj_bias", vec![144]),
-        ("out_proj.weight", "out_proj_weight", vec![48, 48]),
-        ("out_proj.bias", "out_proj_bias", vec![48]),
-    ] {
-        let data = f32s(case, file, shape.iter().product());
-        tensors.push((
-            format!("{prefix}.{name}"),
-            safetensors::Dtype::F32,
-            shape,
-            le32(&data),
-        ));
-    }
-    let p = temp_path("mha");
-    write_safetensors(&p, &tensors);
-    let loaded = MultiheadAttention::load(MhaConfig::new(48, 6), &p, prefix).unwrap();
-    assert_eq!(loaded, reference);
-    let got = loaded.forward(&t, &t, &t, &opts).unwrap();
-    assert_eq!(
-        got, want,
-        "loaded weights must give bitwise identical outputs"
-    );
-    // Our own writer round-trips too (with and without a prefix).
-    let p2 = temp_path("mha-ours");
-    reference.state_dict("attn").save(&p2).unwrap();
-    assert_eq!(
-        MultiheadAttention::load(MhaConfig::new(48, 6), &p2, "attn.").unwrap(),
-        reference
-    );
-    // The self-attention module and a kdim/vdim MHA.
-    let sa = self_attention_layer();
-    let bytes = sa.state_dict("sa").to_safetensors().unwrap();
-    assert_eq!(
-        SelfAttention::from_state_dict(&StateDict::from_safetensors(&bytes).unwrap(), "sa")
-            .unwrap(),
-        sa
-    );
-    // Half-precision checkpoints convert exactly (bf16: the top 16 bits of f32).
-    let mut bf = tensors.clone();
-    for t in bf.iter_mut().filter(|t| t.1 == safetensors::Dtype::F32) {
-        t.3 = t.3.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
-        t.1 = safetensors::Dtype::BF16;
-    }
-    let p3 = temp_path("mha-bf16");
-    write_safetensors(&p3, &bf);
-    let sd = StateDict::load(&p3).unwrap();
-    let (_, w) = sd.tensor(&format!("{prefix}.in_proj_weight")).unwrap();
-    let orig = f32s(case, "in_proj_weight", 144 * 48);
-    assert!(w
-        .iter()
-        .zip(&orig)
-        .all(|(a, b)| a.to_bits() == b.to_bits() & 0xffff_0000));
-    MultiheadAttention::from_state_dict(MhaConfig::new(48, 6), &sd, prefix).unwrap();
-    for p in [p, p2, p3] {
-        let _ = std::fs::remove_file(p);
-    }
-}
-
-#[test]
-fn safetensors_errors_name_the_tensor() {
-    let case = "mha_self";
-    let good: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = [
-        ("in_proj_weight", "in_proj_weight", vec![144usize, 48]),
-        ("in_proj_bias", "in_proj_bias", vec![144]),
-        ("out_proj.weight", "out_proj_weight", vec![48, 48]),
-        ("out_proj.bias", "out_proj_bias", vec![48]),
-    ]
-    .into_iter()
-    .map(|(n, f, s)| {
-        (
-            format!("m.{n}"),
-            safetensors::Dtype::F32,
-            s.clone(),
-            le32(&f32s(case, f, s.iter().product())),
-        )
-    })
-    .collect();
-    let cfg = MhaConfig::new(48, 6);
-    let p = temp_path("errors");
-    // Missing tensor.
-    write_safetensors(&p, &good[1..]);
-    assert_eq!(
-        MultiheadAttention::load(cfg, &p, "m").unwrap_err(),
-        AttnError::MissingTensor {
-            name: "m.in_proj_weight".into()
-        }
-    );
-    // Wrong dtype.
-    let mut bad = good.clone();
-    bad[0].1 = safetensors::Dtype::I32;
-    write_safetensors(&p, &bad);
-    assert_eq!(
-        MultiheadAttention::load(cfg, &p, "m").unwrap_err(),
-        AttnError::WeightDtype {
-            name: "m.in_proj_weight".into(),
-            dtype: "I32".into()
-        }
-    );
-    // Wrong shape (a transposed out_proj, and a config that does not match the checkpoint).
-    let mut bad = good.clone();
-    bad[0].2 = vec![48, 144];
-    write_safetensors(&p, &bad);
-    assert_eq!(
-        MultiheadAttention::load(cfg, &p, "m").unwrap_err(),
-        AttnError::WeightShape {
-            name: "m.in_proj_weight".into(),
-            expected: vec![144, 48],
-            got: vec![48, 144]
-        }
-    );
-    write_safetensors(&p, &good);
-    let err = MultiheadAttention::load(MhaConfig::new(48, 6).kdim(20), &p, "m").unwrap_err();
-    assert_eq!(
-        err,
-        AttnError::MissingTensor {
-            name: "m.q_proj_weight".into()
-        }
-    );
-    let err = MultiheadAttention::load(MhaConfig::new(48, 6).bias(false), &p, "m").unwrap_err();
-    assert!(
-        matches!(err, AttnError::Config { arg: "bias", .. }),
-        "{err}"
-    );
-    // Not a safetensors file at all; a missing file.
-    std::fs::write(&p, b"not a checkpoint").unwrap();
-    assert!(matches!(
-        StateDict::load(&p).unwrap_err(),
-        AttnError::Checkpoint { .. }
-    ));
-    let _ = std::fs::remove_file(&p);
-    assert!(matches!(
-        StateDict::load(&p).unwrap_err(),
-        AttnError::Checkpoint { .. }
-    ));
-    // add_bias_kv is refused.
-    let mut sd = StateDict::from_safetensors(&{
-        write_safetensors(&p, &good);
-        std::fs::read(&p).unwrap()
-    })
-    .unwrap();
-    let _ = std::fs::remove_file(&p);
-    sd.insert("m.bias_k", &[1, 1, 48], &[0.0; 48]).unwrap();
-    let err = MultiheadAttention::from_state_dict(cfg, &sd, "m").unwrap_err();
-    assert!(
-        matches!(
-            err,
-            AttnError::Config {
-                arg: "add_bias_kv",
-                ..
+        let cfg = MhaConfig::new(48, 6);
+        let p = temp_path("errors");
+        // Missing tensor.
+        write_safetensors(&p, &good[1..]);
+        assert_eq!(
+            MultiheadAttention::load(cfg, &p, "m").unwrap_err(),
+            AttnError::MissingTensor {
+                name: "m.in_proj_weight".into()
             }
-        ),
-        "{err}"
-    );
-    assert!(err.to_string().contains("m.bias_k"));
+        );
+        // Wrong dtype.
+        let mut bad = good.clone();
+        bad[0].1 = safetensors::Dtype::I32;
+        write_safetensors(&p, &bad);
+        assert_eq!(
+            MultiheadAttention::load(cfg, &p, "m").unwrap_err(),
+            AttnError::WeightDtype {
+                name: "m.in_proj_weight".into(),
+                dtype: "I32".into()
+            }
+        );
+        // Wrong shape (a transposed out_proj, and a config that does not match the checkpoint).
+        let mut bad = good.clone();
+        bad[0].2 = vec![48, 144];
+        write_safetensors(&p, &bad);
+        assert_eq!(
+            MultiheadAttention::load(cfg, &p, "m").unwrap_err(),
+            AttnError::WeightShape {
+                name: "m.in_proj_weight".into(),
+                expected: vec![144, 48],
+                got: vec![48, 144]
+            }
+        );
+        write_safetensors(&p, &good);
+        let err = MultiheadAttention::load(MhaConfig::new(48, 6).kdim(20), &p, "m").unwrap_err();
+        assert_eq!(
+            err,
+            AttnError::MissingTensor {
+                name: "m.q_proj_weight".into()
+            }
+        );
+        let err = MultiheadAttention::load(MhaConfig::new(48, 6).bias(false), &p, "m").unwrap_err();
+        assert!(
+            matches!(err, AttnError::Config { arg: "bias", .. }),
+            "{err}"
+        );
+        // Not a safetensors file at all; a missing file.
+        std::fs::write(&p, b"not a checkpoint").unwrap();
+        assert!(matches!(
+            StateDict::load(&p).unwrap_err(),
+            AttnError::Checkpoint { .. }
+        ));
+        let _ = std::fs::remove_file(&p);
+        assert!(matches!(
+            StateDict::load(&p).unwrap_err(),
+            AttnError::Checkpoint { .. }
+        ));
+        // add_bias_kv is refused.
+        let mut sd = StateDict::from_safetensors(&{
+            write_safetensors(&p, &good);
+            std::fs::read(&p).unwrap()
+        })
+        .unwrap();
+        let _ = std::fs::remove_file(&p);
+        sd.insert("m.bias_k", &[1, 1, 48], &[0.0; 48]).unwrap();
+        let err = MultiheadAttention::from_state_dict(cfg, &sd, "m").unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AttnError::Config {
+                    arg: "add_bias_kv",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("m.bias_k"));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ use crate::scratch::run_tasks_scratch;
 use attnkit_kernels::{
     additive_forward, additive_scratch_len, AdditiveArgs, Isa, ScoreSpec, ADDITIVE_KEY_PAD,
 };
+#[cfg(feature = "safetensors")]
 use std::path::Path;
 
 /// Query rows per attention task (one batch element each). Fixed, so results do not depend on
@@ -297,6 +298,7 @@ impl AdditiveAttention {
         Self::build(w_q, w_k, b_q, b_k, v, a, dq, dk)
     }
 
+    #[cfg(feature = "safetensors")]
     /// [`AdditiveAttention::from_state_dict`] on a `.safetensors` file.
     ///
     /// # Errors

@@ -1,9 +1,11 @@
 //! [`StateDict`]: named weight tensors, as PyTorch's `module.state_dict()`, read from and written
-//! to `.safetensors` files with the `safetensors` crate.
+//! to `.safetensors` files with the `safetensors` crate (the `safetensors` feature, default on).
 
 use crate::error::{AttnError, Result};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+#[cfg(feature = "safetensors")]
+use safetensors::tensor::{SafeTensors, TensorView};
 use std::collections::BTreeMap;
+#[cfg(feature = "safetensors")]
 use std::path::Path;
 
 /// `{prefix}.{name}`, or `name` for an empty prefix; a prefix may already end with `.`.
@@ -14,6 +16,43 @@ pub(crate) fn join(prefix: &str, name: &str) -> String {
         format!("{prefix}{name}")
     } else {
         format!("{prefix}.{name}")
+    }
+}
+
+/// A stored tensor's element type: the four a layer reads, or (from a file) any other.
+// Without files, tensors come from `insert` (F32) only.
+#[cfg_attr(not(feature = "safetensors"), allow(dead_code))]
+#[derive(Clone, Debug, PartialEq)]
+enum Dtype {
+    F32,
+    F64,
+    BF16,
+    F16,
+    #[cfg(feature = "safetensors")]
+    Other(safetensors::Dtype),
+}
+
+#[cfg(feature = "safetensors")]
+impl Dtype {
+    fn from_file(d: safetensors::Dtype) -> Self {
+        use safetensors::Dtype as S;
+        match d {
+            S::F32 => Dtype::F32,
+            S::F64 => Dtype::F64,
+            S::BF16 => Dtype::BF16,
+            S::F16 => Dtype::F16,
+            other => Dtype::Other(other),
+        }
+    }
+    fn to_file(&self) -> safetensors::Dtype {
+        use safetensors::Dtype as S;
+        match self {
+            Dtype::F32 => S::F32,
+            Dtype::F64 => S::F64,
+            Dtype::BF16 => S::BF16,
+            Dtype::F16 => S::F16,
+            Dtype::Other(d) => *d,
+        }
     }
 }
 
@@ -33,7 +72,8 @@ struct Entry {
 /// layer asking for one as a weight gets [`AttnError::WeightDtype`].
 ///
 /// A PyTorch checkpoint becomes a `.safetensors` file with
-/// `safetensors.torch.save_file(model.state_dict(), "model.safetensors")`.
+/// `safetensors.torch.save_file(model.state_dict(), "model.safetensors")`; reading and writing
+/// files needs the `safetensors` feature (default on).
 ///
 /// ```
 /// use attnkit::StateDict;
@@ -50,6 +90,7 @@ pub struct StateDict {
     entries: BTreeMap<String, Entry>,
 }
 
+#[cfg(feature = "safetensors")]
 fn st_err(path: &str, e: impl std::fmt::Display) -> AttnError {
     AttnError::Checkpoint {
         path: path.to_string(),
@@ -63,6 +104,7 @@ impl StateDict {
         Self::default()
     }
 
+    #[cfg(feature = "safetensors")]
     /// Reads a `.safetensors` file.
     ///
     /// # Errors
@@ -74,6 +116,7 @@ impl StateDict {
         Self::parse(&bytes, &shown)
     }
 
+    #[cfg(feature = "safetensors")]
     /// Parses the bytes of a `.safetensors` file.
     ///
     /// # Errors
@@ -82,12 +125,13 @@ impl StateDict {
         Self::parse(bytes, "<bytes>")
     }
 
+    #[cfg(feature = "safetensors")]
     fn parse(bytes: &[u8], shown: &str) -> Result<Self> {
         let st = SafeTensors::deserialize(bytes).map_err(|e| st_err(shown, e))?;
         let mut entries = BTreeMap::new();
         for (name, view) in st.iter() {
             let entry = Entry {
-                dtype: view.dtype(),
+                dtype: Dtype::from_file(view.dtype()),
                 shape: view.shape().to_vec(),
                 bytes: view.data().to_vec(),
             };
@@ -96,6 +140,7 @@ impl StateDict {
         Ok(StateDict { entries })
     }
 
+    #[cfg(feature = "safetensors")]
     /// Serialises to the bytes of a `.safetensors` file (tensors keep their dtypes).
     ///
     /// # Errors
@@ -105,6 +150,7 @@ impl StateDict {
         safetensors::serialize(views, None).map_err(|e| st_err("<bytes>", e))
     }
 
+    #[cfg(feature = "safetensors")]
     /// Writes a `.safetensors` file.
     ///
     /// # Errors
@@ -116,11 +162,12 @@ impl StateDict {
         safetensors::serialize_to_file(views, None, path).map_err(|e| st_err(&shown, e))
     }
 
+    #[cfg(feature = "safetensors")]
     fn views(&self, shown: &str) -> Result<Vec<(&str, TensorView<'_>)>> {
         self.entries
             .iter()
             .map(|(name, e)| {
-                TensorView::new(e.dtype, e.shape.clone(), &e.bytes)
+                TensorView::new(e.dtype.to_file(), e.shape.clone(), &e.bytes)
                     .map(|v| (name.as_str(), v))
                     .map_err(|err| st_err(shown, err))
             })
@@ -242,6 +289,7 @@ impl StateDict {
 }
 
 /// Elements of `e` as f32.
+#[cfg_attr(not(feature = "safetensors"), allow(unused_variables))]
 fn convert(name: &str, e: &Entry) -> Result<Vec<f32>> {
     let b = &e.bytes;
     let out = match e.dtype {
@@ -261,7 +309,8 @@ fn convert(name: &str, e: &Entry) -> Result<Vec<f32>> {
             .chunks_exact(2)
             .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
             .collect(),
-        other => {
+        #[cfg(feature = "safetensors")]
+        Dtype::Other(other) => {
             return Err(AttnError::WeightDtype {
                 name: name.to_string(),
                 dtype: other.to_string(),

@@ -14,6 +14,7 @@ use super::linear::Linear;
 use super::state_dict::{join, StateDict};
 use super::Tokens;
 use crate::error::{AttnError, Result};
+#[cfg(feature = "safetensors")]
 use std::path::Path;
 
 /// `torch.nn.MultiheadAttention` (inference):
@@ -139,6 +140,7 @@ impl MultiheadAttention {
         Ok(MultiheadAttention { cfg, core })
     }
 
+    #[cfg(feature = "safetensors")]
     /// [`MultiheadAttention::from_state_dict`] on a `.safetensors` file.
     ///
     /// # Errors
