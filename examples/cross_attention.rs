@@ -6,7 +6,8 @@
 //! `cargo run --release --example cross_attention`
 
 use attnkit::{
-    KeyPadding, Linear, MhaConfig, MhaOptions, MultiheadAttention, SelfAttention, StateDict, Tokens,
+    KeyPadding, Linear, MhaConfig, MhaOptions, MultiheadAttention, SelfAttention, StateDict,
+    Tokens, Weights,
 };
 
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -43,7 +44,7 @@ fn main() -> Result<(), attnkit::AttnError> {
         MultiheadAttention::from_state_dict(MhaConfig::new(e, h).kdim(e_enc).vdim(e_enc), &sd, "")?;
     let opts = MhaOptions::new()
         .key_padding_mask(KeyPadding::lengths(&encoder_lengths))
-        .need_weights(true, true);
+        .weights(Weights::Averaged);
     let y = mha.forward(&q, &mem, &mem, &opts)?;
     println!(
         "MHA cross-attention: queries (2, 5, 32) × memory (2, 12, 48) → out {:?}, weights {:?}",

@@ -4,7 +4,7 @@
 //!
 //! `cargo run --release --example multihead_attention`
 
-use attnkit::{KeyPadding, MhaConfig, MhaOptions, MultiheadAttention, StateDict, Tokens};
+use attnkit::{KeyPadding, MhaConfig, MhaOptions, MultiheadAttention, StateDict, Tokens, Weights};
 
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut s = seed;
@@ -51,7 +51,7 @@ fn main() -> Result<(), attnkit::AttnError> {
 
     let x = values(b * l * e, 5, 1.0);
     let x = Tokens::ble(&x, [b, l, e]);
-    let y = mha.forward(&x, &x, &x, &MhaOptions::new().need_weights(true, true))?;
+    let y = mha.forward(&x, &x, &x, &MhaOptions::new().weights(Weights::Averaged))?;
     println!(
         "MHA(128, 8 heads): x (2, 10, 128) → out {:?}, averaged weights {:?}",
         y.shape, y.weights_shape
@@ -65,7 +65,7 @@ fn main() -> Result<(), attnkit::AttnError> {
         &x,
         &MhaOptions::new()
             .key_padding_mask(KeyPadding::bool(&kpm, [b, l]))
-            .need_weights(true, false),
+            .weights(Weights::PerHead),
     )?;
     let w = y.weights.as_ref().unwrap();
     let row = &w[(h * l) * l..(h * l) * l + l]; // batch 1, head 0, query 0

@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release --example self_attention`
 
-use attnkit::{MhaOptions, SelfAttention, StateDict, Tokens};
+use attnkit::{Causal, MhaOptions, SelfAttention, StateDict, Tokens, Weights};
 
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut s = seed;
@@ -39,7 +39,7 @@ fn main() -> Result<(), attnkit::AttnError> {
     let x = values(b * l * e, 1, 1.0);
     let y = layer.forward(
         &Tokens::ble(&x, [b, l, e]),
-        &MhaOptions::new().need_weights(true, true),
+        &MhaOptions::new().weights(Weights::Averaged),
     )?;
     println!(
         "self-attention: x (2, 8, 64) → out {:?}, weights {:?}",
@@ -57,7 +57,9 @@ fn main() -> Result<(), attnkit::AttnError> {
     // Causal (decoder-style) self-attention: token i sees tokens ≤ i.
     let yc = layer.forward(
         &Tokens::ble(&x, [b, l, e]),
-        &MhaOptions::new().causal(true).need_weights(true, true),
+        &MhaOptions::new()
+            .causal(Causal::TopLeft)
+            .weights(Weights::Averaged),
     )?;
     let wc = yc.weights.as_ref().unwrap();
     println!(

@@ -42,7 +42,7 @@ pub use kv_cache::KvCache;
 pub use layers::{
     dot_product_attention, scaled_dot_product_attention, AdditiveAttention, AdditiveOptions,
     AdditiveOutput, Fusion, KeyPadding, LayerOutput, Linear, MhaConfig, MhaMask, MhaOptions,
-    MultiheadAttention, SelfAttention, StateDict, Tokens,
+    MultiheadAttention, SelfAttention, StateDict, Tokens, Weights,
 };
 pub use merge::{merge, Partial};
 pub use options::{alibi_slopes, AttnMask, Causal, Extras, Kernel, MaskRef, Par, SdpaOptions};

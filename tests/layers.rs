@@ -8,9 +8,9 @@
 mod common;
 
 use attnkit::{
-    dot_product_attention, scaled_dot_product_attention, AttnError, Fusion, Isa, KeyPadding,
-    Linear, MhaConfig, MhaMask, MhaOptions, MultiheadAttention, Par, SdpaOptions, SelfAttention,
-    StateDict, Tensor, TensorMut, Tokens,
+    dot_product_attention, scaled_dot_product_attention, AttnError, Causal, Fusion, Isa,
+    KeyPadding, Linear, MhaConfig, MhaMask, MhaOptions, MultiheadAttention, Par, SdpaOptions,
+    SelfAttention, StateDict, Tensor, TensorMut, Tokens, Weights,
 };
 use common::{compare, isas, randn};
 use rand::rngs::SmallRng;
@@ -126,7 +126,10 @@ fn golden_mha_self() {
     for isa in isas() {
         for par in [Par::Rayon, Par::Seq] {
             let t = Tokens::ble(&x, [b, l, e]);
-            let opts = MhaOptions::new().isa(isa).par(par).need_weights(true, true);
+            let opts = MhaOptions::new()
+                .isa(isa)
+                .par(par)
+                .weights(Weights::Averaged);
             let y = mha.forward(&t, &t, &t, &opts).unwrap();
             let e1 = check(&format!("{case} {isa} out"), &y.out, &out);
             let e2 = check(
@@ -135,7 +138,7 @@ fn golden_mha_self() {
                 &w_avg,
             );
             let y = mha
-                .forward(&t, &t, &t, &opts.need_weights(true, false))
+                .forward(&t, &t, &t, &opts.weights(Weights::PerHead))
                 .unwrap();
             check(&format!("{case} {isa} out (per head)"), &y.out, &out);
             let e3 = check(
@@ -235,7 +238,7 @@ fn golden_mha_cross_kdim() {
             let opts = MhaOptions::new()
                 .isa(isa)
                 .key_padding_mask(kp)
-                .need_weights(true, true);
+                .weights(Weights::Averaged);
             let y = mha.forward(&qt, &kt, &vt, &opts).unwrap();
             errs.push(check(&format!("{case} {isa} {name} out"), &y.out, &out));
             errs.push(check(
@@ -244,7 +247,7 @@ fn golden_mha_cross_kdim() {
                 &w_avg,
             ));
             let y = mha
-                .forward(&qt, &kt, &vt, &opts.need_weights(true, false))
+                .forward(&qt, &kt, &vt, &opts.weights(Weights::PerHead))
                 .unwrap();
             errs.push(check(
                 &format!("{case} {isa} {name} per-head weights"),
@@ -258,7 +261,7 @@ fn golden_mha_cross_kdim() {
             .isa(isa)
             .key_padding_mask(KeyPadding::bool(&kpm, [b, lk]))
             .attn_mask(MhaMask::float_2d(&zeros, lq, lk))
-            .need_weights(true, false);
+            .weights(Weights::PerHead);
         let y = mha.forward(&qt, &kt, &vt, &opts).unwrap();
         errs.push(check(&format!("{case} {isa} combined out"), &y.out, &out));
         check(
@@ -323,19 +326,20 @@ fn golden_mha_causal() {
     let w_ph = f64s(case, "attn_weights_per_head", b * h * l * l);
     for isa in isas() {
         let t = Tokens::ble(&x, [b, l, e]);
-        let base = MhaOptions::new().isa(isa).need_weights(true, true);
+        let base = MhaOptions::new().isa(isa).weights(Weights::Averaged);
         let mut errs = Vec::new();
         for (name, opts) in [
             (
                 "float mask + is_causal (the torch call)",
-                base.attn_mask(MhaMask::float_2d(&float, l, l)).causal(true),
+                base.attn_mask(MhaMask::float_2d(&float, l, l))
+                    .causal(Causal::TopLeft),
             ),
             (
                 "float mask",
                 base.attn_mask(MhaMask::float_2d(&float, l, l)),
             ),
             ("bool mask", base.attn_mask(MhaMask::bool_2d(&masked, l, l))),
-            ("is_causal only", base.causal(true)),
+            ("is_causal only", base.causal(Causal::TopLeft)),
         ] {
             let y = mha.forward(&t, &t, &t, &opts).unwrap();
             errs.push(check(&format!("{case} {isa} {name} out"), &y.out, &out));
@@ -345,7 +349,7 @@ fn golden_mha_causal() {
                 &w_avg,
             ));
             let y = mha
-                .forward(&t, &t, &t, &opts.need_weights(true, false))
+                .forward(&t, &t, &t, &opts.weights(Weights::PerHead))
                 .unwrap();
             errs.push(check(
                 &format!("{case} {isa} {name} per-head weights"),
@@ -388,7 +392,7 @@ fn golden_self_attention_module() {
     for isa in isas() {
         let t = Tokens::ble(&x, [b, l, e]);
         let y = layer
-            .forward(&t, &MhaOptions::new().isa(isa).need_weights(true, true))
+            .forward(&t, &MhaOptions::new().isa(isa).weights(Weights::Averaged))
             .unwrap();
         let e1 = check(&format!("{case} {isa} out"), &y.out, &out);
         let e2 = check(
@@ -698,7 +702,7 @@ fn random_shapes_match_f64_reference() {
                 MhaOptions::new()
                     .key_padding_mask(KeyPadding::bool(&kpm, [b, lk]))
                     .attn_mask(MhaMask::float_2d(&amf, lq, lk))
-                    .causal(true),
+                    .causal(Causal::TopLeft),
                 Box::new(|bi, _, i, j| {
                     (!kpm[bi * lk + j] && j <= i).then_some(amf[i * lk + j] as f64)
                 }),
@@ -713,7 +717,7 @@ fn random_shapes_match_f64_reference() {
                     Tokens::ble(&v, [b, lk, vdim]),
                 );
                 let y = mha
-                    .forward(&qt, &kt, &vt, &opts.isa(isa).need_weights(true, false))
+                    .forward(&qt, &kt, &vt, &opts.isa(isa).weights(Weights::PerHead))
                     .unwrap();
                 check(&format!("shape {n} {name} {isa} out"), &y.out, &want);
                 check(
@@ -770,7 +774,7 @@ mod checkpoints {
         let reference = mha_self_layer();
         let x = f32s(case, "x", b * l * e);
         let t = Tokens::ble(&x, [b, l, e]);
-        let opts = MhaOptions::new().need_weights(true, false);
+        let opts = MhaOptions::new().weights(Weights::PerHead);
         let want = reference.forward(&t, &t, &t, &opts).unwrap();
         // A model state dict: the MHA under a prefix, plus unrelated tensors of other dtypes.
         let prefix = "encoder.layers.0.self_attn";
@@ -1160,7 +1164,7 @@ fn fully_padded_batch_gives_bias_not_nan() {
             &t,
             &MhaOptions::new()
                 .key_padding_mask(KeyPadding::bool(&kpm, [b, l]))
-                .need_weights(true, true),
+                .weights(Weights::Averaged),
         )
         .unwrap();
     let bo = f32s("mha_self", "out_proj_bias", e);
@@ -1208,8 +1212,8 @@ fn results_do_not_depend_on_the_thread_count() {
                 &t,
                 &MhaOptions::new()
                     .par(par)
-                    .causal(true)
-                    .need_weights(true, true),
+                    .causal(Causal::TopLeft)
+                    .weights(Weights::Averaged),
             )
             .unwrap()
         })
@@ -1252,7 +1256,10 @@ fn mha_score_modifiers_reach_the_kernels() {
     let sinks: Vec<f32> = (0..h).map(|i| i as f32 - 2.0).collect();
     for isa in isas() {
         for path in [Fusion::Fused, Fusion::Unfused] {
-            let base = MhaOptions::new().isa(isa).fusion(path).causal(true);
+            let base = MhaOptions::new()
+                .isa(isa)
+                .fusion(path)
+                .causal(Causal::TopLeft);
             let y = mha.forward(&t, &t, &t, &base.alibi(&slopes)).unwrap();
             let masked = base.attn_mask(MhaMask::float_3d(&bias, b * h, l, l));
             let want = mha.forward(&t, &t, &t, &masked).unwrap();

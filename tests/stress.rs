@@ -10,6 +10,7 @@ mod common;
 use attnkit::{
     sdpa, AdditiveAttention, AdditiveOptions, Causal, Isa, Kernel, KvCache, MaskRef, MhaConfig,
     MhaOptions, MultiheadAttention, Par, SdpaOptions, StateDict, Tensor, TensorMut, Tokens,
+    Weights,
 };
 use common::{isas, randn};
 use rand::rngs::SmallRng;
@@ -97,8 +98,8 @@ fn mha_job() -> Job {
     Box::new(move |par| {
         let x = Tokens::ble(&x, [b, l, e]);
         let opts = MhaOptions::new()
-            .causal(true)
-            .need_weights(true, false)
+            .causal(Causal::TopLeft)
+            .weights(Weights::PerHead)
             .par(par);
         let y = mha.forward(&x, &x, &x, &opts).unwrap();
         let mut all = bits(&y.out);

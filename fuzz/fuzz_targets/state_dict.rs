@@ -12,8 +12,8 @@
 
 use arbitrary::{Result, Unstructured};
 use attnkit::{
-    AdditiveAttention, AdditiveOptions, Fusion, Isa, KeyPadding, Linear, MhaConfig, MhaOptions,
-    MultiheadAttention, Par, SelfAttention, StateDict, Tokens,
+    AdditiveAttention, AdditiveOptions, Causal, Fusion, Isa, KeyPadding, Linear, MhaConfig,
+    MhaOptions, MultiheadAttention, Par, SelfAttention, StateDict, Tokens, Weights,
 };
 use attnkit_fuzz::expect::Expect;
 use attnkit_fuzz::gen::{chance, inject_specials, product, size, small, wild, Rng};
@@ -744,8 +744,8 @@ fn key_lengths(
 /// Options of an MHA forward pass (built by `options()` over borrowed key lengths).
 struct MhaOpts {
     lens: Option<Vec<usize>>,
-    causal: bool,
-    weights: (bool, bool),
+    causal: Option<Causal>,
+    weights: Weights,
     isa: Option<Isa>,
     par: Par,
     path: Fusion,
@@ -754,10 +754,12 @@ struct MhaOpts {
 impl MhaOpts {
     fn options(&self) -> MhaOptions<'_> {
         let mut o = MhaOptions::new()
-            .causal(self.causal)
-            .need_weights(self.weights.0, self.weights.1)
+            .weights(self.weights)
             .par(self.par)
             .fusion(self.path);
+        if let Some(c) = self.causal {
+            o = o.causal(c);
+        }
         if let Some(l) = &self.lens {
             o = o.key_padding_mask(KeyPadding::lengths(l));
         }
@@ -771,14 +773,24 @@ impl MhaOpts {
 /// MHA options for `b` sequences of `lk` keys; asking the unfused path for weights must fail.
 fn mha_options(u: &mut Unstructured, b: usize, lk: usize, expect: &mut Expect) -> Result<MhaOpts> {
     let lens = key_lengths(u, b, lk, expect)?;
-    let weights = (chance(u, 1, 3)?, chance(u, 1, 2)?);
+    let weights = *u.choose(&[
+        Weights::None,
+        Weights::None,
+        Weights::Averaged,
+        Weights::PerHead,
+    ])?;
     let path = *u.choose(&[Fusion::Fused, Fusion::Unfused])?;
-    if path == Fusion::Unfused && weights.0 {
+    if path == Fusion::Unfused && weights != Weights::None {
         expect.fault("weights from the unfused path");
     }
     let opts = MhaOpts {
         lens,
-        causal: chance(u, 1, 2)?,
+        causal: *u.choose(&[
+            None,
+            Some(Causal::TopLeft),
+            Some(Causal::BottomRight),
+            Some(Causal::BottomRightAtLk),
+        ])?,
         weights,
         isa: Ctx::isa(u, expect)?,
         par: *u.choose(&[Par::Rayon, Par::Seq])?,

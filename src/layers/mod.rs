@@ -22,7 +22,7 @@ pub use additive::{AdditiveAttention, AdditiveOptions, AdditiveOutput};
 pub use functional::{dot_product_attention, scaled_dot_product_attention};
 pub use linear::Linear;
 pub use mha::{
-    Fusion, KeyPadding, LayerOutput, MhaConfig, MhaMask, MhaOptions, MultiheadAttention,
+    Fusion, KeyPadding, LayerOutput, MhaConfig, MhaMask, MhaOptions, MultiheadAttention, Weights,
 };
 pub use self_attention::SelfAttention;
 pub use state_dict::StateDict;

@@ -3,12 +3,12 @@
 //! output projection.
 
 use super::masks::sdpa_masks;
-use super::options::{Fusion, LayerOutput, MhaOptions};
+use super::options::{Fusion, LayerOutput, MhaOptions, Weights};
 use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
 use crate::layers::linear::{project, Exec, Linear};
 use crate::layers::{check_qkv, product, Tokens};
-use crate::options::{Causal, Extras, SdpaOptions};
+use crate::options::{Extras, SdpaOptions};
 use crate::view::{Tensor, TensorMut};
 
 /// The projections and attention shared by [`crate::MultiheadAttention`] and
@@ -117,7 +117,7 @@ impl Core {
             });
         }
         let (h, hkv, d, dv) = (self.h, self.hkv, self.d, self.dv);
-        let average = opts.average_attn_weights;
+        let average = opts.weights != Weights::PerHead;
         if let Some(w) = weights.as_deref() {
             let needed = if average {
                 product("attn_weights", &[b, lq, lk])?
@@ -133,7 +133,7 @@ impl Core {
             }
             if opts.fusion == Fusion::Unfused {
                 return Err(AttnError::BadParam {
-                    arg: "need_weights",
+                    arg: "weights",
                     reason: "the unfused path returns no weights",
                 });
             }
@@ -190,9 +190,7 @@ impl Core {
             sinks: opts.sinks,
             ..SdpaOptions::default()
         };
-        if opts.is_causal {
-            sdpa_opts.causal = Some(Causal::TopLeft);
-        }
+        sdpa_opts.causal = opts.causal;
         masks.apply(&mut sdpa_opts);
 
         let mut per_head = None;
@@ -267,12 +265,12 @@ impl Core {
         } else {
             [b, lq, ew]
         };
-        let weights_shape = match (opts.need_weights, opts.average_attn_weights) {
-            (false, _) => vec![],
-            (true, true) => vec![b, lq, lk],
-            (true, false) => vec![b, h, lq, lk],
+        let weights_shape = match opts.weights {
+            Weights::None => vec![],
+            Weights::Averaged => vec![b, lq, lk],
+            Weights::PerHead => vec![b, h, lq, lk],
         };
-        let mut weights = if opts.need_weights {
+        let mut weights = if opts.weights != Weights::None {
             Some(zeros_for("attn_weights", &weights_shape)?)
         } else {
             None

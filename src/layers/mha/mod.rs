@@ -8,7 +8,7 @@ mod options;
 
 pub(crate) use self::core::Core;
 pub use config::MhaConfig;
-pub use options::{Fusion, KeyPadding, LayerOutput, MhaMask, MhaOptions};
+pub use options::{Fusion, KeyPadding, LayerOutput, MhaMask, MhaOptions, Weights};
 
 use super::linear::Linear;
 use super::state_dict::{join, StateDict};
@@ -43,7 +43,7 @@ use std::path::Path;
 /// refused.
 ///
 /// ```
-/// use attnkit::{MhaConfig, MhaOptions, MultiheadAttention, StateDict, Tokens};
+/// use attnkit::{MhaConfig, MhaOptions, MultiheadAttention, StateDict, Tokens, Weights};
 /// let (e, h) = (8, 2);
 /// let mut sd = StateDict::new();
 /// let w: Vec<f32> = (0..3 * e * e).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.05).collect();
@@ -54,7 +54,7 @@ use std::path::Path;
 /// let mha = MultiheadAttention::from_state_dict(MhaConfig::new(e, h), &sd, "")?;
 /// let x = vec![0.5f32; 2 * 3 * e];
 /// let x = Tokens::ble(&x, [2, 3, e]);
-/// let y = mha.forward(&x, &x, &x, &MhaOptions::new().need_weights(true, true))?;
+/// let y = mha.forward(&x, &x, &x, &MhaOptions::new().weights(Weights::Averaged))?;
 /// assert_eq!(y.shape, [2, 3, e]);
 /// assert_eq!(y.weights_shape, [2, 3, 3]);
 /// # Ok::<(), attnkit::AttnError>(())
@@ -184,7 +184,7 @@ impl MultiheadAttention {
 
     /// The forward pass: `query (B, Lq, E)`, `key (B, Lk, kdim)`, `value (B, Lk, vdim)`, each
     /// batch-first or sequence-first. Returns the output in the query's memory order and, with
-    /// `need_weights`, the attention weights.
+    /// `opts.weights`, the attention weights.
     ///
     /// # Errors
     /// [`AttnError`] naming the argument and both sizes: a width that is not `E`/`kdim`/`vdim`
@@ -202,8 +202,8 @@ impl MultiheadAttention {
     }
 
     /// [`MultiheadAttention::forward`] into caller buffers: `out` dense in the query's memory
-    /// order (`B·Lq·E` elements), `attn_weights` (`B·Lq·Lk` if `opts.average_attn_weights`, else
-    /// `B·H·Lq·Lk`) if given; `opts.need_weights` is ignored.
+    /// order (`B·Lq·E` elements), `attn_weights` (`B·H·Lq·Lk` if `opts.weights` is
+    /// [`Weights::PerHead`], else `B·Lq·Lk`, averaged) if given.
     ///
     /// # Errors
     /// As `forward`, plus wrong buffer lengths ([`AttnError::BufferLength`]).

@@ -2,7 +2,7 @@
 //! ([`LayerOutput`]).
 
 use crate::gemm::Backend;
-use crate::options::Par;
+use crate::options::{Causal, Par};
 use attnkit_kernels::Isa;
 
 /// Whether a layer runs fused attention or the unfused baseline.
@@ -112,12 +112,25 @@ impl<'a> KeyPadding<'a> {
     }
 }
 
+/// Which attention weights a layer returns (PyTorch's `need_weights` and
+/// `average_attn_weights`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Weights {
+    /// None (`need_weights=False`): the score matrix is never materialised.
+    #[default]
+    None,
+    /// `(B, Lq, Lk)`, averaged over heads (`need_weights=True`, PyTorch's default averaging).
+    Averaged,
+    /// `(B, H, Lq, Lk)`, one matrix per head (`average_attn_weights=False`).
+    PerHead,
+}
+
 /// Options of a [`crate::MultiheadAttention`] (and [`crate::SelfAttention`]) forward pass,
-/// named as the arguments of PyTorch's `forward`.
+/// named as the arguments of PyTorch's `forward` where they have one.
 ///
-/// Differences from PyTorch: `need_weights` defaults to `false` (PyTorch: `true`), since asking
-/// for the weights materialises them; `is_causal` without `attn_mask` is allowed (PyTorch raises)
-/// and with one both are applied.
+/// Differences from PyTorch: no weights by default (PyTorch's `need_weights` defaults to
+/// `true`), since asking for them materialises them; causal masking without `attn_mask` is
+/// allowed (PyTorch's `is_causal` raises) and with one both are applied.
 #[derive(Clone, Copy, Debug)]
 #[non_exhaustive]
 pub struct MhaOptions<'a> {
@@ -125,12 +138,11 @@ pub struct MhaOptions<'a> {
     pub key_padding_mask: Option<KeyPadding<'a>>,
     /// `attn_mask` (`true` = masked, or additive).
     pub attn_mask: Option<MhaMask<'a>>,
-    /// Causal masking, top-left aligned (query `i` sees keys `j ≤ i`), as PyTorch.
-    pub is_causal: bool,
-    /// Return the attention weights ([`LayerOutput::weights`]).
-    pub need_weights: bool,
-    /// Average the weights over heads (`(B, Lq, Lk)`) rather than per head (`(B, H, Lq, Lk)`).
-    pub average_attn_weights: bool,
+    /// Causal masking and its alignment, as [`crate::SdpaOptions::causal`]: PyTorch's
+    /// `is_causal=True` is [`Causal::TopLeft`].
+    pub causal: Option<Causal>,
+    /// The attention weights to return ([`LayerOutput::weights`]).
+    pub weights: Weights,
     /// Instruction set; `None` = [`Isa::detect`].
     pub isa: Option<Isa>,
     /// Threading of the projections and the attention.
@@ -153,9 +165,8 @@ impl Default for MhaOptions<'_> {
         MhaOptions {
             key_padding_mask: None,
             attn_mask: None,
-            is_causal: false,
-            need_weights: false,
-            average_attn_weights: true,
+            causal: None,
+            weights: Weights::None,
             isa: None,
             par: Par::Rayon,
             backend: Backend::default(),
@@ -168,7 +179,7 @@ impl Default for MhaOptions<'_> {
 }
 
 impl<'a> MhaOptions<'a> {
-    /// Defaults: no masks, no weights (averaged when asked), best ISA, rayon, fused kernel.
+    /// Defaults: no masks, no weights, best ISA, rayon, fused kernel.
     pub fn new() -> Self {
         Self::default()
     }
@@ -182,15 +193,14 @@ impl<'a> MhaOptions<'a> {
         self.attn_mask = Some(mask);
         self
     }
-    /// Sets `is_causal`.
-    pub fn causal(mut self, is_causal: bool) -> Self {
-        self.is_causal = is_causal;
+    /// Sets causal masking (PyTorch's `is_causal=True` is `.causal(Causal::TopLeft)`).
+    pub fn causal(mut self, causal: Causal) -> Self {
+        self.causal = Some(causal);
         self
     }
-    /// Sets `need_weights` and `average_attn_weights`.
-    pub fn need_weights(mut self, need: bool, average: bool) -> Self {
-        self.need_weights = need;
-        self.average_attn_weights = average;
+    /// Sets the weights to return.
+    pub fn weights(mut self, weights: Weights) -> Self {
+        self.weights = weights;
         self
     }
     /// Forces an instruction set.
