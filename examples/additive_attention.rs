@@ -4,7 +4,7 @@
 //!
 //! `cargo run --release --example additive_attention`
 
-use attnkit::{AdditiveAttention, AdditiveOptions, Tokens};
+use attnkit::{AdditiveAttention, AdditiveDims, AdditiveOptions, AdditiveWeights, Tokens};
 
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut s = seed;
@@ -28,7 +28,17 @@ fn main() -> Result<(), attnkit::AttnError> {
         values(a * dk, 3, 0.3),
         values(a, 4, 0.5),
     );
-    let layer = AdditiveAttention::new(w_q.clone(), w_k.clone(), None, w_v.clone(), a, dq, dk)?;
+    let layer = AdditiveAttention::new(&AdditiveWeights {
+        dims: AdditiveDims {
+            attn_dim: a,
+            query_dim: dq,
+            key_dim: dk,
+        },
+        w_q: &w_q,
+        w_k: &w_k,
+        bias: None,
+        v: &w_v,
+    })?;
     let valid_lens = [2usize, 6];
     let y = layer.forward(
         &Tokens::ble(&queries, [b, lq, dq]),
@@ -58,7 +68,16 @@ fn main() -> Result<(), attnkit::AttnError> {
                 .copied()
         })
         .collect();
-    let concat = AdditiveAttention::from_concat(&w_cat, None, w_v, a, dq, dk)?;
+    let concat = AdditiveAttention::from_concat(
+        AdditiveDims {
+            attn_dim: a,
+            query_dim: dq,
+            key_dim: dk,
+        },
+        &w_cat,
+        None,
+        &w_v,
+    )?;
     assert_eq!(concat, layer);
     println!("from_concat(W (8, 22)) builds the same layer");
     Ok(())

@@ -12,8 +12,8 @@
 use attnkit::kernels::{softmax_row, tanh_slice, Isa};
 use attnkit::unfused::Backend;
 use attnkit::{
-    AdditiveAttention, AdditiveOptions, Fusion, Linear, MhaConfig, MhaOptions, MultiheadAttention,
-    Par, StateDict, Tokens,
+    AdditiveAttention, AdditiveDims, AdditiveOptions, AdditiveWeights, Fusion, Linear, MhaConfig,
+    MhaOptions, MultiheadAttention, Par, StateDict, Tokens,
 };
 use rayon::prelude::*;
 use std::time::Instant;
@@ -175,15 +175,17 @@ fn main() -> Result<(), attnkit::AttnError> {
         values(a, 13, 0.1),
         values(a, 14, 0.06),
     );
-    let layer = AdditiveAttention::new(
-        w_q.clone(),
-        w_k.clone(),
-        Some(bias.clone()),
-        w_v.clone(),
-        a,
-        d,
-        d,
-    )?;
+    let layer = AdditiveAttention::new(&AdditiveWeights {
+        dims: AdditiveDims {
+            attn_dim: a,
+            query_dim: d,
+            key_dim: d,
+        },
+        w_q: &w_q,
+        w_k: &w_k,
+        bias: Some(&bias),
+        v: &w_v,
+    })?;
     let lin_q = Linear::new(w_q, Some(bias), a, d)?;
     let lin_k = Linear::new(w_k, None, a, d)?;
     let (q, k, v) = (

@@ -40,16 +40,19 @@ pub use error::{AttnError, Result};
 pub use heads::{merge_heads, split_heads};
 pub use kv_cache::KvCache;
 pub use layers::{
-    dot_product_attention, scaled_dot_product_attention, AdditiveAttention, AdditiveOptions,
-    AdditiveOutput, Fusion, KeyPadding, LayerOutput, Linear, MhaConfig, MhaMask, MhaOptions,
-    MultiheadAttention, SelfAttention, StateDict, Tokens, Weights,
+    dot_product_attention, scaled_dot_product_attention, AdditiveAttention, AdditiveDims,
+    AdditiveOptions, AdditiveOutput, AdditiveWeights, Fusion, InitRng, KeyPadding, LayerOutput,
+    Linear, MhaConfig, MhaMask, MhaOptions, MultiheadAttention, SelfAttention, StateDict, Tokens,
+    Weights,
 };
 pub use merge::{merge, Partial};
-pub use options::{alibi_slopes, AttnMask, Causal, Extras, Kernel, MaskRef, Par, SdpaOptions};
+pub use options::{
+    alibi_slopes, AttnMask, Causal, Extras, Kernel, MaskRef, Par, Returns, SdpaOptions, SdpaOutput,
+};
 pub use paged_cache::{PagedKvCache, SeqId};
 pub use pages::{advise_huge_pages, AlignedBuf};
 pub use plan::choose_kernel;
-pub use sdpa::{sdpa, sdpa_ext, sdpa_int8, sdpa_vec};
+pub use sdpa::{sdpa, sdpa_ext, sdpa_ext_vec, sdpa_int8, sdpa_vec};
 pub use view::{Layout, Tensor, TensorMut};
 
 /// The raw-slice kernel crate, re-exported for benchmarks and advanced use.

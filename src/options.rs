@@ -217,6 +217,26 @@ pub struct Extras<'a> {
     pub weights: Option<&'a mut [f32]>,
 }
 
+/// The extras [`crate::sdpa_ext_vec`] computes and returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Returns {
+    /// The per-row logsumexp.
+    pub lse: bool,
+    /// The attention weights (materialises the score matrix).
+    pub weights: bool,
+}
+
+/// What [`crate::sdpa_ext_vec`] returns, dense and f32.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SdpaOutput {
+    /// `(B, Hq, Lq, Dv)`.
+    pub out: Vec<f32>,
+    /// `(B, Hq, Lq)`, if asked for; `-inf` for a fully masked row.
+    pub lse: Option<Vec<f32>>,
+    /// `(B, Hq, Lq, Lk)`, if asked for.
+    pub weights: Option<Vec<f32>>,
+}
+
 /// The standard ALiBi slopes for `heads` heads with maximum bias `max_bias` (8 in the paper and
 /// in BLOOM/MPT): with `n = 2^⌊log2 heads⌋`, head `h < n` gets `2^(−max_bias·(h+1)/n)` and the
 /// remaining heads (a head count that is not a power of two) interleave the slopes of `2n` heads:

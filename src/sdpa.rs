@@ -3,7 +3,7 @@
 
 use crate::alloc::zeros_for;
 use crate::error::Result;
-use crate::options::{Extras, Kernel, Par, SdpaOptions};
+use crate::options::{Extras, Kernel, Par, Returns, SdpaOptions, SdpaOutput};
 use crate::plan::Plan;
 use crate::view::{Tensor, TensorMut};
 use attnkit_kernels::{Elem, Operand, Stored};
@@ -86,6 +86,48 @@ pub fn sdpa_vec<Q: Elem, KV: Operand>(
     let mut buf = zeros_for("out", &shape)?;
     sdpa(q, k, v, &mut TensorMut::bhld(&mut buf, shape), opts)?;
     Ok(buf)
+}
+
+/// [`sdpa_ext`] returning new buffers: the dense `(B, Hq, Lq, Dv)` output and the extras
+/// `want` names (`lse` `(B, Hq, Lq)`, `weights` `(B, Hq, Lq, Lk)`), all f32.
+///
+/// ```
+/// use attnkit::{sdpa_ext_vec, Returns, SdpaOptions, Tensor};
+/// let x = vec![0.5f32; 3 * 4];
+/// let t = Tensor::bhld(&x, [1, 1, 3, 4]);
+/// let r = sdpa_ext_vec(&t, &t, &t, &SdpaOptions::new(), Returns { lse: true, weights: true })?;
+/// assert_eq!((r.out.len(), r.lse.map(|l| l.len()), r.weights.map(|w| w.len())), (12, Some(3), Some(9)));
+/// # Ok::<(), attnkit::AttnError>(())
+/// ```
+///
+/// # Errors
+/// As [`sdpa`]; [`AttnError::Alloc`](crate::AttnError::Alloc) when a buffer cannot be allocated.
+pub fn sdpa_ext_vec<Q: Elem, KV: Operand>(
+    q: &Tensor<Q>,
+    k: &Tensor<KV>,
+    v: &Tensor<KV>,
+    opts: &SdpaOptions,
+    want: Returns,
+) -> Result<SdpaOutput> {
+    let [b, hq, lq, _] = q.shape;
+    let lk = k.shape[2];
+    let shape = [b, hq, lq, v.shape[3]];
+    Plan::<Q, KV, f32>::validate(q, k, v, shape, opts, &mut Extras::default())?;
+    let mut out = zeros_for("out", &shape)?;
+    let mut lse = want
+        .lse
+        .then(|| zeros_for("lse", &[b, hq, lq]))
+        .transpose()?;
+    let mut weights = want
+        .weights
+        .then(|| zeros_for("weights", &[b, hq, lq, lk]))
+        .transpose()?;
+    let extras = Extras {
+        lse: lse.as_deref_mut(),
+        weights: weights.as_deref_mut(),
+    };
+    sdpa_ext(q, k, v, &mut TensorMut::bhld(&mut out, shape), opts, extras)?;
+    Ok(SdpaOutput { out, lse, weights })
 }
 
 /// [`sdpa`] that also writes the per-row logsumexp and/or the attention weights.

@@ -5,7 +5,10 @@
 
 mod common;
 
-use attnkit::{AdditiveAttention, AdditiveOptions, AttnError, AttnMask, MaskRef, Par, Tokens};
+use attnkit::{
+    AdditiveAttention, AdditiveDims, AdditiveOptions, AdditiveWeights, AttnError, AttnMask,
+    MaskRef, Par, Tokens,
+};
 use common::{compare, isas, randn};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -53,15 +56,17 @@ const DV: usize = 7;
 const A: usize = 16;
 
 fn golden_layer() -> AdditiveAttention {
-    AdditiveAttention::new(
-        f32s("W_q", A * DQ),
-        f32s("W_k", A * DK),
-        Some(f32s("b", A)),
-        f32s("v", A),
-        A,
-        DQ,
-        DK,
-    )
+    AdditiveAttention::new(&AdditiveWeights {
+        dims: AdditiveDims {
+            attn_dim: A,
+            query_dim: DQ,
+            key_dim: DK,
+        },
+        w_q: &f32s("W_q", A * DQ),
+        w_k: &f32s("W_k", A * DK),
+        bias: Some(&f32s("b", A)),
+        v: &f32s("v", A),
+    })
     .unwrap()
 }
 
@@ -86,9 +91,17 @@ fn golden_additive_attention() {
                 .copied()
         })
         .collect();
-    let from_concat =
-        AdditiveAttention::from_concat(&concat, Some(f32s("b", A)), f32s("v", A), A, DQ, DK)
-            .unwrap();
+    let from_concat = AdditiveAttention::from_concat(
+        AdditiveDims {
+            attn_dim: A,
+            query_dim: DQ,
+            key_dim: DK,
+        },
+        &concat,
+        Some(&f32s("b", A)),
+        &f32s("v", A),
+    )
+    .unwrap();
     assert_eq!(from_concat, layer);
     let seq = |x: &[f32], l: usize, e: usize| -> Vec<f32> {
         let mut y = vec![0.0; x.len()];
@@ -231,15 +244,17 @@ fn random_shapes_match_f64_reference() {
         let wk = randn(&mut rng, a * dk, 0.3);
         let bias = randn(&mut rng, a, 0.1);
         let wv = randn(&mut rng, a, 1.0 / (a as f32).sqrt());
-        let layer = AdditiveAttention::new(
-            wq.clone(),
-            wk.clone(),
-            Some(bias.clone()),
-            wv.clone(),
-            a,
-            dq,
-            dk,
-        )
+        let layer = AdditiveAttention::new(&AdditiveWeights {
+            dims: AdditiveDims {
+                attn_dim: a,
+                query_dim: dq,
+                key_dim: dk,
+            },
+            w_q: &wq,
+            w_k: &wk,
+            bias: Some(&bias),
+            v: &wv,
+        })
         .unwrap();
         let q = randn(&mut rng, b * lq * dq, 1.0);
         let k = randn(&mut rng, b * lk * dk, 1.0);
@@ -299,15 +314,17 @@ fn random_shapes_match_f64_reference() {
 fn parallel_equals_sequential_bitwise() {
     let mut rng = SmallRng::seed_from_u64(3);
     let (b, lq, lk, d, a) = (2, 70, 300, 32, 48);
-    let layer = AdditiveAttention::new(
-        randn(&mut rng, a * d, 0.3),
-        randn(&mut rng, a * d, 0.3),
-        None,
-        randn(&mut rng, a, 0.3),
-        a,
-        d,
-        d,
-    )
+    let layer = AdditiveAttention::new(&AdditiveWeights {
+        dims: AdditiveDims {
+            attn_dim: a,
+            query_dim: d,
+            key_dim: d,
+        },
+        w_q: &randn(&mut rng, a * d, 0.3),
+        w_k: &randn(&mut rng, a * d, 0.3),
+        bias: None,
+        v: &randn(&mut rng, a, 0.3),
+    })
     .unwrap();
     let (q, k) = (
         randn(&mut rng, b * lq * d, 1.0),
@@ -386,8 +403,18 @@ fn state_dict_round_trip_and_errors() {
         }
     );
     assert_eq!(
-        AdditiveAttention::new(vec![0.0; 3], vec![0.0; 4], None, vec![0.0; 2], 2, 2, 2)
-            .unwrap_err(),
+        AdditiveAttention::new(&AdditiveWeights {
+            dims: AdditiveDims {
+                attn_dim: 2,
+                query_dim: 2,
+                key_dim: 2
+            },
+            w_q: &[0.0; 3],
+            w_k: &[0.0; 4],
+            bias: None,
+            v: &[0.0; 2]
+        })
+        .unwrap_err(),
         AttnError::WeightShape {
             name: "W_q".into(),
             expected: vec![2, 2],

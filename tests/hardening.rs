@@ -10,9 +10,9 @@ use attnkit::kernels::{
     decode_partial, partial_len, softmax_row, DecodeArgs, DecodeRow, DecodeWalk, KvPages, ScoreSpec,
 };
 use attnkit::{
-    sdpa, sdpa_ext, sdpa_vec, AdditiveAttention, AdditiveOptions, AttnError, Causal, Extras,
-    Kernel, KvCache, Linear, MaskRef, MhaConfig, MhaOptions, MultiheadAttention, Par, SdpaOptions,
-    StateDict, Tensor, TensorMut, Tokens,
+    sdpa, sdpa_ext, sdpa_vec, AdditiveAttention, AdditiveDims, AdditiveOptions, AdditiveWeights,
+    AttnError, Causal, Extras, Kernel, KvCache, Linear, MaskRef, MhaConfig, MhaOptions,
+    MultiheadAttention, Par, SdpaOptions, StateDict, Tensor, TensorMut, Tokens,
 };
 use common::{close, isas, reference, Dims, Problem, RefMask, ATOL, RTOL};
 
@@ -533,8 +533,18 @@ fn layers_validate_before_allocating() {
         matches!(e, AttnError::BufferLength { arg: "query", .. }),
         "{e}"
     );
-    let add =
-        AdditiveAttention::new(vec![0.0; 16], vec![0.0; 16], None, vec![1.0; 2], 2, 8, 8).unwrap();
+    let add = AdditiveAttention::new(&AdditiveWeights {
+        dims: AdditiveDims {
+            attn_dim: 2,
+            query_dim: 8,
+            key_dim: 8,
+        },
+        w_q: &[0.0; 16],
+        w_k: &[0.0; 16],
+        bias: None,
+        v: &[1.0; 2],
+    })
+    .unwrap();
     let e = add
         .forward(&huge, &small, &small, &AdditiveOptions::new())
         .unwrap_err();
@@ -632,15 +642,17 @@ fn layers_small_forward() {
     }
     // Additive attention with a mask and key lengths: the weights sum to one per row.
     let (a, dq, dk, dv, lq, lk) = (4, 3, 5, 2, 2, 3);
-    let layer = AdditiveAttention::new(
-        vals(a * dq, 13),
-        vals(a * dk, 14),
-        Some(vals(a, 15)),
-        vals(a, 16),
-        a,
-        dq,
-        dk,
-    )
+    let layer = AdditiveAttention::new(&AdditiveWeights {
+        dims: AdditiveDims {
+            attn_dim: a,
+            query_dim: dq,
+            key_dim: dk,
+        },
+        w_q: &vals(a * dq, 13),
+        w_k: &vals(a * dk, 14),
+        bias: Some(&vals(a, 15)),
+        v: &vals(a, 16),
+    })
     .unwrap();
     let (q, k, v) = (vals(lq * dq, 17), vals(lk * dk, 18), vals(lk * dv, 19));
     let mask = [true, false, true, true, true, false];

@@ -1310,3 +1310,147 @@ fn mha_score_modifiers_reach_the_kernels() {
         "{bad:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Layers without a checkpoint.
+
+/// Checks `x` is uniform in `±bound`: inside the bound, spread over it, and with the variance of
+/// that distribution (`bound²/3`) within 6 % (thousands of samples per call).
+fn assert_uniform(name: &str, x: &[f32], bound: f32) {
+    assert!(x.len() >= 1000, "{name}: too few samples to judge");
+    assert!(
+        x.iter().all(|v| v.abs() <= bound),
+        "{name}: outside ±{bound}"
+    );
+    let n = x.len() as f64;
+    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+    let want = (bound as f64).powi(2) / 3.0;
+    assert!(mean.abs() < 0.05 * bound as f64, "{name}: mean {mean}");
+    assert!(
+        (var / want - 1.0).abs() < 0.06,
+        "{name}: variance {var} vs {want}"
+    );
+    let max = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    assert!(max > 0.98 * bound, "{name}: max |x| {max} of bound {bound}");
+}
+
+/// `MultiheadAttention::new`, `Linear::init` and `AdditiveAttention::init` draw PyTorch's
+/// default initialisation (#18): Xavier-uniform input projections with the fans of their own
+/// shapes (packed, separate for kdim/vdim, GQA rows), `nn.Linear`'s `±1/√fan_in` for
+/// `out_proj` and the linear layers, zero MHA biases. The same seed gives the same layer, another
+/// seed another; a fresh layer runs.
+#[test]
+fn layers_without_checkpoint_use_pytorch_default_init() {
+    use attnkit::{AdditiveAttention, AdditiveDims, AdditiveOptions, InitRng};
+    let xavier = |fan_in: usize, fan_out: usize| (6.0 / (fan_in + fan_out) as f64).sqrt() as f32;
+    let (e, h) = (64, 8);
+    let mha = MultiheadAttention::new(MhaConfig::new(e, h), &mut InitRng::seed(1)).unwrap();
+    let sd = mha.state_dict("");
+    let (_, w) = sd.tensor("in_proj_weight").unwrap();
+    assert_uniform("in_proj_weight", &w, xavier(e, 3 * e));
+    let (_, w) = sd.tensor("out_proj.weight").unwrap();
+    assert_uniform("out_proj.weight", &w, 1.0 / (e as f32).sqrt());
+    for name in ["in_proj_bias", "out_proj.bias"] {
+        assert!(
+            sd.tensor(name).unwrap().1.iter().all(|&b| b == 0.0),
+            "{name}"
+        );
+    }
+    let again = MultiheadAttention::new(MhaConfig::new(e, h), &mut InitRng::seed(1)).unwrap();
+    assert_eq!(again, mha);
+    let other = MultiheadAttention::new(MhaConfig::new(e, h), &mut InitRng::seed(2)).unwrap();
+    assert_ne!(other, mha);
+
+    // Cross-attention with GQA: separate projections, each with its own fans.
+    let (kdim, vdim, hkv) = (64, 48, 4);
+    let ekv = hkv * e / h;
+    let cfg = MhaConfig::new(e, h).kdim(kdim).vdim(vdim).kv_heads(hkv);
+    let cross = MultiheadAttention::new(cfg, &mut InitRng::seed(3)).unwrap();
+    let sd = cross.state_dict("");
+    for (name, shape, bound) in [
+        ("q_proj_weight", [e, e], xavier(e, e)),
+        ("k_proj_weight", [ekv, kdim], xavier(kdim, ekv)),
+        ("v_proj_weight", [ekv, vdim], xavier(vdim, ekv)),
+    ] {
+        let (s, w) = sd.tensor(name).unwrap();
+        assert_eq!(s, shape, "{name}");
+        assert_uniform(name, &w, bound);
+    }
+    let (q, kv) = (
+        vec![0.5f32; 2 * 3 * e],
+        vec![0.25f32; 2 * 5 * kdim.max(vdim)],
+    );
+    let y = cross
+        .forward(
+            &Tokens::ble(&q, [2, 3, e]),
+            &Tokens::ble(&kv[..2 * 5 * kdim], [2, 5, kdim]),
+            &Tokens::ble(&kv[..2 * 5 * vdim], [2, 5, vdim]),
+            &MhaOptions::new(),
+        )
+        .unwrap();
+    assert!(y.out.iter().all(|v| v.is_finite()) && y.out.iter().any(|&v| v != 0.0));
+
+    let lin = Linear::init(50, 30, true, &mut InitRng::seed(4)).unwrap();
+    assert_eq!((lin.in_features(), lin.out_features()), (50, 30));
+    assert_uniform("Linear.weight", lin.weight(), 1.0 / 50f32.sqrt());
+    assert!(lin
+        .bias()
+        .unwrap()
+        .iter()
+        .all(|b| b.abs() <= 1.0 / 50f32.sqrt()));
+    assert!(Linear::init(50, 30, false, &mut InitRng::seed(4))
+        .unwrap()
+        .bias()
+        .is_none());
+
+    let dims = AdditiveDims {
+        attn_dim: 48,
+        query_dim: 40,
+        key_dim: 30,
+    };
+    let add = AdditiveAttention::init(dims, true, &mut InitRng::seed(5)).unwrap();
+    let sd = add.state_dict("");
+    let (_, w) = sd.tensor("W_q.weight").unwrap();
+    assert_uniform("W_q.weight", &w, 1.0 / 40f32.sqrt());
+    let (_, w) = sd.tensor("W_k.weight").unwrap();
+    assert_uniform("W_k.weight", &w, 1.0 / 30f32.sqrt());
+    let (q, k, v) = (
+        vec![0.3f32; 2 * 40],
+        vec![0.2f32; 3 * 30],
+        vec![1.0f32; 3 * 4],
+    );
+    let y = add
+        .forward(
+            &Tokens::ble(&q, [1, 2, 40]),
+            &Tokens::ble(&k, [1, 3, 30]),
+            &Tokens::ble(&v, [1, 3, 4]),
+            &AdditiveOptions::new(),
+        )
+        .unwrap();
+    assert!(y.out.iter().all(|&x| (x - 1.0).abs() < 1e-6));
+}
+
+/// A checkpoint with separate projections gives `kdim` and `vdim` itself: `MhaConfig::new(E, H)`
+/// loads it, and the layer equals the one built with both stated (#18).
+#[test]
+fn mha_reads_kdim_and_vdim_from_the_checkpoint() {
+    use attnkit::InitRng;
+    let cfg = MhaConfig::new(32, 4).kdim(20).vdim(12);
+    let layer = MultiheadAttention::new(cfg, &mut InitRng::seed(9)).unwrap();
+    let sd = layer.state_dict("enc.attn");
+    let loaded =
+        MultiheadAttention::from_state_dict(MhaConfig::new(32, 4), &sd, "enc.attn").unwrap();
+    assert_eq!(loaded, layer);
+    assert_eq!(
+        (loaded.config().kdim, loaded.config().vdim),
+        (Some(20), Some(12))
+    );
+    // A stated kdim still wins, and a wrong one is refused by name.
+    let wrong =
+        MultiheadAttention::from_state_dict(MhaConfig::new(32, 4).kdim(21), &sd, "enc.attn");
+    assert!(
+        matches!(&wrong, Err(AttnError::WeightShape { name, .. }) if name == "enc.attn.k_proj_weight"),
+        "{wrong:?}"
+    );
+}

@@ -1463,3 +1463,69 @@ fn head_dim_256_with_large_logits() {
         }
     }
 }
+
+/// `sdpa_ext_vec` (#18's allocating twin of `sdpa_ext`) returns bitwise what `sdpa_ext` writes
+/// into caller buffers, only the extras asked for, and refuses bad arguments by name before
+/// allocating.
+#[test]
+fn sdpa_ext_vec_equals_sdpa_ext() {
+    use attnkit::{sdpa_ext_vec, Returns};
+    let dims = Dims {
+        b: 2,
+        hq: 4,
+        hkv: 2,
+        lq: 7,
+        lk: 33,
+        d: 16,
+        dv: 8,
+    };
+    let mut rng = SmallRng::seed_from_u64(5);
+    let q = randn(&mut rng, dims.q().iter().product(), 1.0);
+    let k = randn(&mut rng, dims.k().iter().product(), 1.0);
+    let v = randn(&mut rng, dims.v().iter().product(), 1.0);
+    let (qt, kt, vt) = (
+        Tensor::bhld(&q, dims.q()),
+        Tensor::bhld(&k, dims.k()),
+        Tensor::bhld(&v, dims.v()),
+    );
+    let opts = SdpaOptions::new().causal(Causal::BottomRight);
+    let mut out = vec![0.0f32; dims.out().iter().product()];
+    let mut lse = vec![0.0f32; dims.b * dims.hq * dims.lq];
+    let mut w = vec![0.0f32; dims.b * dims.hq * dims.lq * dims.lk];
+    let extras = Extras {
+        lse: Some(&mut lse),
+        weights: Some(&mut w),
+    };
+    sdpa_ext(
+        &qt,
+        &kt,
+        &vt,
+        &mut TensorMut::bhld(&mut out, dims.out()),
+        &opts,
+        extras,
+    )
+    .unwrap();
+    for (want_lse, want_w) in [(true, true), (true, false), (false, true), (false, false)] {
+        let want = Returns {
+            lse: want_lse,
+            weights: want_w,
+        };
+        let r = sdpa_ext_vec(&qt, &kt, &vt, &opts, want).unwrap();
+        assert_eq!(r.out, out, "{want:?}");
+        assert_eq!(r.lse, want_lse.then(|| lse.clone()), "{want:?}");
+        assert_eq!(r.weights, want_w.then(|| w.clone()), "{want:?}");
+    }
+    let bad = Tensor::bhld(&k, [dims.b, dims.hkv, dims.lk - 1, dims.d]);
+    let r = sdpa_ext_vec(&qt, &bad, &vt, &opts, Returns::default());
+    assert!(
+        matches!(
+            r,
+            Err(AttnError::ShapeMismatch {
+                arg: "v",
+                dim: "Lk",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+}

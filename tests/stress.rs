@@ -8,9 +8,9 @@
 mod common;
 
 use attnkit::{
-    sdpa, AdditiveAttention, AdditiveOptions, Causal, Isa, Kernel, KvCache, MaskRef, MhaConfig,
-    MhaOptions, MultiheadAttention, Par, SdpaOptions, StateDict, Tensor, TensorMut, Tokens,
-    Weights,
+    sdpa, AdditiveAttention, AdditiveDims, AdditiveOptions, AdditiveWeights, Causal, Isa, Kernel,
+    KvCache, MaskRef, MhaConfig, MhaOptions, MultiheadAttention, Par, SdpaOptions, StateDict,
+    Tensor, TensorMut, Tokens, Weights,
 };
 use common::{isas, randn};
 use rand::rngs::SmallRng;
@@ -111,15 +111,17 @@ fn mha_job() -> Job {
 /// Additive (Bahdanau) attention with key lengths.
 fn additive_job() -> Job {
     let (a, dq, dk, dv, b, lq, lk) = (16, 12, 10, 8, 2, 30, 70);
-    let layer = AdditiveAttention::new(
-        rand(14, a * dq),
-        rand(15, a * dk),
-        Some(rand(16, a)),
-        rand(17, a),
-        a,
-        dq,
-        dk,
-    )
+    let layer = AdditiveAttention::new(&AdditiveWeights {
+        dims: AdditiveDims {
+            attn_dim: a,
+            query_dim: dq,
+            key_dim: dk,
+        },
+        w_q: &rand(14, a * dq),
+        w_k: &rand(15, a * dk),
+        bias: Some(&rand(16, a)),
+        v: &rand(17, a),
+    })
     .unwrap();
     let (q, k, v) = (
         rand(18, b * lq * dq),

@@ -1,5 +1,6 @@
 //! Additive (Bahdanau) attention over the fused kernel `attnkit_kernels::additive_forward`.
 
+use super::init::{linear_bound, InitRng};
 use super::linear::{project, Exec};
 use super::state_dict::{join, StateDict};
 use super::{check_qkv, product, run_tasks, SendConst, SendPtr, Tokens};
@@ -123,9 +124,11 @@ pub struct AdditiveOutput {
 /// row equally and cancels in the softmax.
 ///
 /// ```
-/// use attnkit::{AdditiveAttention, AdditiveOptions, Tokens};
+/// use attnkit::{AdditiveAttention, AdditiveDims, AdditiveOptions, AdditiveWeights, Tokens};
 /// let (a, dq, dk) = (4, 3, 2);
-/// let layer = AdditiveAttention::new(vec![0.1; a * dq], vec![0.2; a * dk], None, vec![1.0; a], a, dq, dk)?;
+/// let (w_q, w_k, v) = (vec![0.1; a * dq], vec![0.2; a * dk], vec![1.0; a]);
+/// let dims = AdditiveDims { attn_dim: a, query_dim: dq, key_dim: dk };
+/// let layer = AdditiveAttention::new(&AdditiveWeights { dims, w_q: &w_q, w_k: &w_k, bias: None, v: &v })?;
 /// let (q, k, v) = (vec![1.0f32; 2 * dq], vec![0.5f32; 3 * dk], vec![2.0f32; 3 * 5]);
 /// let y = layer.forward(
 ///     &Tokens::ble(&q, [1, 2, dq]),
@@ -163,23 +166,78 @@ fn check_len(name: &str, data: &[f32], shape: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// The sizes of an [`AdditiveAttention`]: `A` (the attention width), `Dq`, `Dk`. Named fields,
+/// so no call passes three sizes in a row by position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdditiveDims {
+    /// `A`: the width of the projections inside the tanh.
+    pub attn_dim: usize,
+    /// `Dq`: the width of the queries.
+    pub query_dim: usize,
+    /// `Dk`: the width of the keys.
+    pub key_dim: usize,
+}
+
+/// Borrowed weights of an [`AdditiveAttention`], row-major; the layer copies them.
+#[derive(Clone, Copy, Debug)]
+pub struct AdditiveWeights<'a> {
+    /// `A`, `Dq`, `Dk`.
+    pub dims: AdditiveDims,
+    /// `W_q` `(A, Dq)`.
+    pub w_q: &'a [f32],
+    /// `W_k` `(A, Dk)`.
+    pub w_k: &'a [f32],
+    /// `b` `(A,)`, added inside the tanh; `None` for none.
+    pub bias: Option<&'a [f32]>,
+    /// `v` `(A,)`.
+    pub v: &'a [f32],
+}
+
 impl AdditiveAttention {
-    /// From `W_q` `(A, Dq)`, `W_k` `(A, Dk)`, an optional `b` `(A,)` and `v` `(A,)`, row-major.
+    /// From its weights.
     ///
     /// # Errors
     /// [`AttnError::WeightShape`] naming `W_q`, `W_k`, `b` or `v` for a length that does not
     /// match; [`AttnError::Config`] for `A = 0`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        w_q: Vec<f32>,
-        w_k: Vec<f32>,
-        b: Option<Vec<f32>>,
-        v: Vec<f32>,
-        attn_dim: usize,
-        query_dim: usize,
-        key_dim: usize,
-    ) -> Result<Self> {
-        Self::build(w_q, w_k, b, None, v, attn_dim, query_dim, key_dim)
+    pub fn new(w: &AdditiveWeights) -> Result<Self> {
+        let AdditiveDims {
+            attn_dim,
+            query_dim,
+            key_dim,
+        } = w.dims;
+        Self::build(
+            w.w_q.to_vec(),
+            w.w_k.to_vec(),
+            w.bias.map(<[f32]>::to_vec),
+            None,
+            w.v.to_vec(),
+            attn_dim,
+            query_dim,
+            key_dim,
+        )
+    }
+
+    /// With PyTorch's default initialisation of the d2l module's `nn.Linear` layers: every weight
+    /// (and the bias, if asked for) uniform in `±1/√fan_in` (`W_q`: `Dq`, `W_k`: `Dk`, `v`: `A`).
+    ///
+    /// # Errors
+    /// As [`AdditiveAttention::new`]; [`AttnError::Overflow`] / [`AttnError::Alloc`] for sizes
+    /// that cannot be held.
+    pub fn init(dims: AdditiveDims, bias: bool, rng: &mut InitRng) -> Result<Self> {
+        let AdditiveDims {
+            attn_dim: a,
+            query_dim: dq,
+            key_dim: dk,
+        } = dims;
+        let w_q = rng.uniform_vec("W_q", &[a, dq], linear_bound(dq))?;
+        let w_k = rng.uniform_vec("W_k", &[a, dk], linear_bound(dk))?;
+        let b = if bias {
+            Some(rng.uniform_vec("b", &[a], linear_bound(dq))?)
+        } else {
+            None
+        };
+        let v = rng.uniform_vec("v", &[a], linear_bound(a))?;
+        Self::build(w_q, w_k, b, None, v, a, dq, dk)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -233,13 +291,16 @@ impl AdditiveAttention {
     /// # Errors
     /// As [`AdditiveAttention::new`] (the concatenated weight is named `W`).
     pub fn from_concat(
+        dims: AdditiveDims,
         w: &[f32],
-        b: Option<Vec<f32>>,
-        v: Vec<f32>,
-        attn_dim: usize,
-        query_dim: usize,
-        key_dim: usize,
+        bias: Option<&[f32]>,
+        v: &[f32],
     ) -> Result<Self> {
+        let AdditiveDims {
+            attn_dim,
+            query_dim,
+            key_dim,
+        } = dims;
         let cols = query_dim
             .checked_add(key_dim)
             .ok_or(AttnError::Overflow { arg: "W" })?;
@@ -249,7 +310,13 @@ impl AdditiveAttention {
             w_q.extend_from_slice(&row[..query_dim]);
             w_k.extend_from_slice(&row[query_dim..]);
         }
-        Self::new(w_q, w_k, b, v, attn_dim, query_dim, key_dim)
+        Self::new(&AdditiveWeights {
+            dims,
+            w_q: &w_q,
+            w_k: &w_k,
+            bias,
+            v,
+        })
     }
 
     /// Reads `{prefix}.W_q.weight`, `{prefix}.W_k.weight`, `{prefix}.w_v.weight` (`(1, A)` or

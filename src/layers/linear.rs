@@ -1,6 +1,7 @@
 //! `nn.Linear` and the projection GEMM every layer uses: `Y = X·Wᵀ + b` over [`Tokens`] rows,
 //! split over rayon tasks by fixed row blocks.
 
+use super::init::{linear_bound, InitRng};
 use super::state_dict::{join, StateDict};
 use super::{product, run_tasks, SendConst, SendPtr, Tokens};
 use crate::alloc::zeros_for;
@@ -169,6 +170,27 @@ impl Linear {
             out_features,
             in_features,
         })
+    }
+
+    /// A fresh `nn.Linear(in_features, out_features, bias)` with PyTorch's default
+    /// initialisation: weight and bias uniform in `±1/√in_features`.
+    ///
+    /// # Errors
+    /// [`AttnError::Overflow`] / [`AttnError::Alloc`] for sizes that cannot be held.
+    pub fn init(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        rng: &mut InitRng,
+    ) -> Result<Self> {
+        let bound = linear_bound(in_features);
+        let weight = rng.uniform_vec("weight", &[out_features, in_features], bound)?;
+        let bias = if bias {
+            Some(rng.uniform_vec("bias", &[out_features], bound)?)
+        } else {
+            None
+        };
+        Self::new(weight, bias, out_features, in_features)
     }
 
     /// Reads `{prefix}.weight` (any 2-D shape) and, if present, `{prefix}.bias`.

@@ -12,14 +12,18 @@
 
 mod additive;
 mod functional;
+mod init;
 mod linear;
 mod mha;
 mod self_attention;
 mod state_dict;
 mod tokens;
 
-pub use additive::{AdditiveAttention, AdditiveOptions, AdditiveOutput};
+pub use additive::{
+    AdditiveAttention, AdditiveDims, AdditiveOptions, AdditiveOutput, AdditiveWeights,
+};
 pub use functional::{dot_product_attention, scaled_dot_product_attention};
+pub use init::InitRng;
 pub use linear::Linear;
 pub use mha::{
     Fusion, KeyPadding, LayerOutput, MhaConfig, MhaMask, MhaOptions, MultiheadAttention, Weights,

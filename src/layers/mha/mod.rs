@@ -10,6 +10,7 @@ pub(crate) use self::core::Core;
 pub use config::MhaConfig;
 pub use options::{Fusion, KeyPadding, LayerOutput, MhaMask, MhaOptions, Weights};
 
+use super::init::{linear_bound, xavier_bound, InitRng};
 use super::linear::Linear;
 use super::state_dict::{join, StateDict};
 use super::Tokens;
@@ -66,8 +67,54 @@ pub struct MultiheadAttention {
 }
 
 impl MultiheadAttention {
+    /// A fresh layer with PyTorch's default initialisation of `nn.MultiheadAttention`: the input
+    /// projection Xavier-uniform (`in_proj_weight` as one `(E + 2·Hkv·head_dim, E)` matrix, or
+    /// each of `q/k/v_proj_weight` with its own fans when `kdim`/`vdim` differ from `E`),
+    /// `out_proj.weight` as `nn.Linear` (uniform `±1/√E`), every bias zero.
+    ///
+    /// # Errors
+    /// As [`MultiheadAttention::from_state_dict`] for the configuration; [`AttnError::Alloc`]
+    /// when the weights cannot be allocated.
+    pub fn new(cfg: MhaConfig, rng: &mut InitRng) -> Result<Self> {
+        let (e, _, hkv, hd, kdim, vdim) = cfg.resolve()?;
+        let ekv = hkv * hd;
+        let rows = e + 2 * ekv;
+        let mut sd = StateDict::new();
+        let mut put = |sd: &mut StateDict, name: &'static str, dims: [usize; 2], bound: f32| {
+            let w = rng.uniform_vec(name, &dims, bound)?;
+            sd.insert_unchecked(name.into(), dims.to_vec(), &w);
+            Ok::<(), AttnError>(())
+        };
+        if kdim == e && vdim == e {
+            put(&mut sd, "in_proj_weight", [rows, e], xavier_bound(e, rows))?;
+        } else {
+            put(&mut sd, "q_proj_weight", [e, e], xavier_bound(e, e))?;
+            put(
+                &mut sd,
+                "k_proj_weight",
+                [ekv, kdim],
+                xavier_bound(kdim, ekv),
+            )?;
+            put(
+                &mut sd,
+                "v_proj_weight",
+                [ekv, vdim],
+                xavier_bound(vdim, ekv),
+            )?;
+        }
+        put(&mut sd, "out_proj.weight", [e, e], linear_bound(e))?;
+        if cfg.bias {
+            sd.insert_unchecked("in_proj_bias".into(), vec![rows], &vec![0.0; rows]);
+            sd.insert_unchecked("out_proj.bias".into(), vec![e], &vec![0.0; e]);
+        }
+        Self::from_state_dict(cfg, &sd, "")
+    }
+
     /// Builds the layer from a PyTorch-style state dict; `prefix` is the module's name in it
     /// (`""` for a bare module's `state_dict()`, `"encoder.layers.0.self_attn"` inside a model).
+    /// `kdim` and `vdim` left unset in `cfg` are read from `k_proj_weight` / `v_proj_weight`
+    /// when the checkpoint has separate projections (no packed `in_proj_weight`), so a
+    /// cross-attention checkpoint needs only `MhaConfig::new(E, H)`.
     ///
     /// # Errors
     /// [`AttnError::Config`] for an inconsistent configuration (`embed_dim` not divisible by
@@ -75,6 +122,15 @@ impl MultiheadAttention {
     /// found shapes) and [`AttnError::WeightDtype`] naming the tensor; [`AttnError::Config`] for a
     /// bias present with `bias = false`, or `bias_k`/`bias_v` (`add_bias_kv`).
     pub fn from_state_dict(cfg: MhaConfig, sd: &StateDict, prefix: &str) -> Result<Self> {
+        let mut cfg = cfg;
+        if !sd.contains(&join(prefix, "in_proj_weight")) {
+            let width = |name: &str| match sd.shape(&join(prefix, name)) {
+                Some(&[_, w]) => Some(w),
+                _ => None,
+            };
+            cfg.kdim = cfg.kdim.or_else(|| width("k_proj_weight"));
+            cfg.vdim = cfg.vdim.or_else(|| width("v_proj_weight"));
+        }
         let (e, h, hkv, hd, kdim, vdim) = cfg.resolve()?;
         let ekv = hkv * hd;
         for name in ["bias_k", "bias_v"] {
