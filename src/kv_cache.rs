@@ -5,7 +5,7 @@
 
 use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
-use crate::options::{Causal, SdpaOptions};
+use crate::options::{Causal, KeyLengths, SdpaOptions};
 use crate::pages::AlignedBuf;
 use crate::sdpa::sdpa_scaled;
 use crate::view::{check_len, Tensor, TensorMut};
@@ -270,7 +270,7 @@ impl<E: Operand> KvCache<E> {
     ) -> Result<()> {
         let opts = SdpaOptions {
             causal: Some(Causal::BottomRight),
-            key_lengths: Some(&self.lens),
+            key_lengths: Some(KeyLengths::Usize(&self.lens)),
             ..*opts
         };
         let (k, v) = (self.keys(), self.values());

@@ -47,7 +47,8 @@ pub use layers::{
 };
 pub use merge::{merge, Partial};
 pub use options::{
-    alibi_slopes, AttnMask, Causal, Extras, Kernel, MaskRef, Par, Returns, SdpaOptions, SdpaOutput,
+    alibi_slopes, AttnMask, Causal, Extras, Kernel, KeyLengths, MaskElem, MaskRef, Par, Returns,
+    SdpaOptions, SdpaOutput,
 };
 pub use paged_cache::{PagedKvCache, SeqId};
 pub use pages::{advise_huge_pages, AlignedBuf};

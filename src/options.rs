@@ -42,11 +42,104 @@ impl<'a, T> MaskRef<'a, T> {
     }
 }
 
+impl<'a, T: MaskElem> MaskRef<'a, T> {
+    /// The same mask as bytes, nonzero = attend: what the kernels read. No copy.
+    pub fn as_bytes(self) -> MaskRef<'a, u8> {
+        MaskRef {
+            // SAFETY: `T` is `bool` or `u8` (sealed): one byte, every value a valid `u8`, same
+            // alignment; the length and lifetime are the original slice's.
+            data: unsafe {
+                core::slice::from_raw_parts(self.data.as_ptr().cast::<u8>(), self.data.len())
+            },
+            shape: self.shape,
+        }
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for bool {}
+    impl Sealed for u8 {}
+    impl Sealed for usize {}
+    impl Sealed for u32 {}
+    impl Sealed for i32 {}
+    impl Sealed for i64 {}
+}
+
+/// Element types of a boolean mask: `bool`, or `u8` with nonzero = attend (what NumPy and
+/// PyTorch files hold for bool arrays). Either is read in place.
+pub trait MaskElem: sealed::Sealed + Copy {}
+impl MaskElem for bool {}
+impl MaskElem for u8 {}
+
+/// Per-batch valid key counts in the integer type the caller holds, read in place (no
+/// conversion copy): `usize`, `u32`, `i32` or `i64`. Built by [`SdpaOptions::key_lengths`]
+/// from a slice, array or `Vec` of any of them; a negative count is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyLengths<'a> {
+    /// `usize` counts.
+    Usize(&'a [usize]),
+    /// `u32` counts.
+    U32(&'a [u32]),
+    /// `i32` counts (PyTorch `int32`, ONNX).
+    I32(&'a [i32]),
+    /// `i64` counts (PyTorch's default integer type).
+    I64(&'a [i64]),
+}
+
+impl KeyLengths<'_> {
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        match self {
+            KeyLengths::Usize(x) => x.len(),
+            KeyLengths::U32(x) => x.len(),
+            KeyLengths::I32(x) => x.len(),
+            KeyLengths::I64(x) => x.len(),
+        }
+    }
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Entry `b` widened to `i128` (every type fits), or `None` past the end.
+    pub fn get(&self, b: usize) -> Option<i128> {
+        match self {
+            KeyLengths::Usize(x) => x.get(b).map(|&v| v as i128),
+            KeyLengths::U32(x) => x.get(b).map(|&v| v as i128),
+            KeyLengths::I32(x) => x.get(b).map(|&v| v as i128),
+            KeyLengths::I64(x) => x.get(b).map(|&v| v as i128),
+        }
+    }
+}
+
+macro_rules! key_lengths_from {
+    ($($t:ty => $v:ident),*) => {$(
+        impl<'a> From<&'a [$t]> for KeyLengths<'a> {
+            fn from(x: &'a [$t]) -> Self {
+                KeyLengths::$v(x)
+            }
+        }
+        impl<'a, const N: usize> From<&'a [$t; N]> for KeyLengths<'a> {
+            fn from(x: &'a [$t; N]) -> Self {
+                KeyLengths::$v(x)
+            }
+        }
+        impl<'a> From<&'a Vec<$t>> for KeyLengths<'a> {
+            fn from(x: &'a Vec<$t>) -> Self {
+                KeyLengths::$v(x)
+            }
+        }
+    )*};
+}
+key_lengths_from!(usize => Usize, u32 => U32, i32 => I32, i64 => I64);
+
 /// An attention mask in SDPA's polarity.
 #[derive(Clone, Copy, Debug)]
 pub enum AttnMask<'a> {
     /// `true` = attend, `false` = masked (PyTorch SDPA bool `attn_mask`).
     Bool(MaskRef<'a, bool>),
+    /// The same as bytes: nonzero = attend (a NumPy / PyTorch bool array saved as `u8`).
+    Bytes(MaskRef<'a, u8>),
     /// Added to `scale·q·k` before the softmax (PyTorch SDPA float `attn_mask`); `-inf` masks.
     Bias(MaskRef<'a, f32>),
 }
@@ -94,18 +187,20 @@ pub struct SdpaOptions<'a> {
     /// Causal masking, combined with every other mask.
     pub causal: Option<Causal>,
     /// Boolean mask (`true` = attend; PyTorch SDPA's bool `attn_mask`), broadcast over any of
-    /// `(B, Hq, Lq)` of size 1.
-    pub bool_mask: Option<MaskRef<'a, bool>>,
+    /// `(B, Hq, Lq)` of size 1, held as bytes (nonzero = attend): [`SdpaOptions::bool_mask`]
+    /// takes `bool` or `u8` masks and reads either in place.
+    pub bool_mask: Option<MaskRef<'a, u8>>,
     /// Additive bias (PyTorch SDPA's float `attn_mask`; `-inf` masks), broadcast likewise.
     /// With a [`SdpaOptions::bool_mask`] as well, both apply: the bias is added where the mask
     /// attends (PyTorch's MHA combining `key_padding_mask` with `attn_mask`).
     pub bias: Option<MaskRef<'a, f32>>,
-    /// Per-batch valid key counts: keys `j ≥ key_lengths[b]` are masked (key padding). **With
+    /// Per-batch valid key counts, in any of the integer types of [`KeyLengths`]: keys
+    /// `j ≥ key_lengths[b]` are masked (key padding). **With
     /// [`Causal::BottomRight`] the diagonal moves too**: it is aligned to each batch's own length
     /// (query `i` sees `j ≤ i + key_lengths[b] − Lq`), as a ragged KV cache needs;
     /// [`Causal::BottomRightAtLk`] keeps it at `Lk` (PyTorch's `causal_lower_right` with a
     /// padding mask).
-    pub key_lengths: Option<&'a [usize]>,
+    pub key_lengths: Option<KeyLengths<'a>>,
     /// Sliding window (needs `causal`): each query sees only the `window` most recent keys up to
     /// its diagonal, i.e. `j > i + offset − window`. At least 1; a window of `max(Lq, Lk)` or
     /// more hides nothing (`usize::MAX` reads as "unbounded").
@@ -147,9 +242,10 @@ impl<'a> SdpaOptions<'a> {
         self.causal = Some(causal);
         self
     }
-    /// Sets the boolean mask (`true` = attend); a bias set as well still applies.
-    pub fn bool_mask(mut self, mask: MaskRef<'a, bool>) -> Self {
-        self.bool_mask = Some(mask);
+    /// Sets the boolean mask (`true`, or a nonzero byte, = attend); a bias set as well still
+    /// applies.
+    pub fn bool_mask<T: MaskElem>(mut self, mask: MaskRef<'a, T>) -> Self {
+        self.bool_mask = Some(mask.as_bytes());
         self
     }
     /// Sets the additive bias; a boolean mask set as well still applies.
@@ -161,12 +257,20 @@ impl<'a> SdpaOptions<'a> {
     pub fn mask(self, mask: AttnMask<'a>) -> Self {
         match mask {
             AttnMask::Bool(m) => self.bool_mask(m),
+            AttnMask::Bytes(m) => self.bool_mask(m),
             AttnMask::Bias(b) => self.bias(b),
         }
     }
-    /// Sets per-batch key lengths.
-    pub fn key_lengths(mut self, lens: &'a [usize]) -> Self {
-        self.key_lengths = Some(lens);
+    /// Sets per-batch key lengths (`usize`, `u32`, `i32` or `i64`; slice, array or `Vec`).
+    ///
+    /// ```
+    /// use attnkit::SdpaOptions;
+    /// let lens: Vec<i64> = vec![7, 3]; // as a PyTorch int64 tensor holds them
+    /// let opts = SdpaOptions::new().key_lengths(&lens);
+    /// # let _ = opts;
+    /// ```
+    pub fn key_lengths(mut self, lens: impl Into<KeyLengths<'a>>) -> Self {
+        self.key_lengths = Some(lens.into());
         self
     }
     /// Sets a sliding window (with causal masking).

@@ -5,7 +5,7 @@
 use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
 use crate::kv_cache::{append_row, check_append, check_finite};
-use crate::options::{Causal, Extras, SdpaOptions};
+use crate::options::{Causal, Extras, KeyLengths, SdpaOptions};
 use crate::pages::AlignedBuf;
 use crate::plan::{PagedKv, Plan};
 use crate::view::{Tensor, TensorMut};
@@ -460,7 +460,7 @@ impl<E: Operand> PagedKvCache<E> {
         }
         let opts = SdpaOptions {
             causal: Some(Causal::BottomRight),
-            key_lengths: Some(&lens),
+            key_lengths: Some(KeyLengths::Usize(&lens)),
             ..*opts
         };
         let kv = PagedKv {

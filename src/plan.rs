@@ -5,7 +5,7 @@
 use crate::alloc::checked_len;
 use crate::error::{AttnError, Result};
 use crate::exec::resolve_isa;
-use crate::options::{Causal, Extras, Kernel, MaskRef, SdpaOptions};
+use crate::options::{Causal, Extras, Kernel, KeyLengths, MaskRef, SdpaOptions};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
 use attnkit_kernels::{visible_range, Alibi, Dtype, Elem, Isa, KvPages, ScoreSpec, Stored};
 
@@ -39,6 +39,60 @@ pub fn choose_kernel(q_shape: [usize; 4], k_shape: [usize; 4], opts: &SdpaOption
 pub(crate) struct MaskPlan<T> {
     pub(crate) ptr: *const T,
     pub(crate) strides: [usize; 3],
+}
+
+/// Validated key lengths (`B` entries in `0..=Lk`), read in the caller's integer type.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum LensPlan {
+    Usize(*const usize),
+    U32(*const u32),
+    I32(*const i32),
+    I64(*const i64),
+}
+
+impl LensPlan {
+    /// Checks `lens` (one per batch, each in `0..=lk`) and keeps a pointer to it.
+    fn new(lens: &KeyLengths, b: usize, lk: usize) -> Result<Self> {
+        mismatch("key_lengths", "B", b, lens.len())?;
+        for batch in 0..b {
+            let len = lens.get(batch).unwrap_or(0);
+            if len < 0 {
+                return Err(AttnError::BadParam {
+                    arg: "key_lengths",
+                    reason: "a key length is negative",
+                });
+            }
+            if len > lk as i128 {
+                return Err(AttnError::KeyLength {
+                    batch,
+                    len: usize::try_from(len).unwrap_or(usize::MAX),
+                    lk,
+                });
+            }
+        }
+        Ok(match lens {
+            KeyLengths::Usize(x) => LensPlan::Usize(x.as_ptr()),
+            KeyLengths::U32(x) => LensPlan::U32(x.as_ptr()),
+            KeyLengths::I32(x) => LensPlan::I32(x.as_ptr()),
+            KeyLengths::I64(x) => LensPlan::I64(x.as_ptr()),
+        })
+    }
+
+    /// Entry `b`.
+    ///
+    /// # Safety
+    /// `b < B` of the validated slice, which is still borrowed.
+    unsafe fn get(self, b: usize) -> usize {
+        // SAFETY: per the contract; the values were checked to lie in `0..=Lk`.
+        unsafe {
+            match self {
+                LensPlan::Usize(p) => *p.add(b),
+                LensPlan::U32(p) => *p.add(b) as usize,
+                LensPlan::I32(p) => *p.add(b) as usize,
+                LensPlan::I64(p) => *p.add(b) as usize,
+            }
+        }
+    }
 }
 
 /// The validated row scales of `i8` keys and values: row `j` of KV head `h` of batch `b` is
@@ -125,8 +179,8 @@ pub(crate) struct Plan<Q = f32, KV = f32, O = f32> {
     pub(crate) o: *mut O,
     pub(crate) os: [usize; 3],
     pub(crate) bias: Option<MaskPlan<f32>>,
-    pub(crate) mask: Option<MaskPlan<bool>>,
-    pub(crate) key_lengths: Option<*const usize>,
+    pub(crate) mask: Option<MaskPlan<u8>>,
+    pub(crate) key_lengths: Option<LensPlan>,
     /// ALiBi slopes and sinks, `Hq` values each (validated).
     pub(crate) alibi: Option<*const f32>,
     pub(crate) softcap: Option<f32>,
@@ -418,12 +472,11 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
             .as_ref()
             .map(|m| mask_plan(m, "bias", &shape))
             .transpose()?;
-        if let Some(lens) = opts.key_lengths {
-            mismatch("key_lengths", "B", b, lens.len())?;
-            if let Some((batch, &len)) = lens.iter().enumerate().find(|(_, &l)| l > lk) {
-                return Err(AttnError::KeyLength { batch, len, lk });
-            }
-        }
+        let key_lengths = opts
+            .key_lengths
+            .as_ref()
+            .map(|l| LensPlan::new(l, b, lk))
+            .transpose()?;
         let per_head = |arg: &'static str, x: Option<&[f32]>| -> Result<Option<*const f32>> {
             let Some(x) = x else { return Ok(None) };
             mismatch(arg, "Hq", hq, x.len())?;
@@ -494,7 +547,7 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
             os: [0; 3],
             bias,
             mask,
-            key_lengths: opts.key_lengths.map(|l| l.as_ptr()),
+            key_lengths,
             alibi,
             softcap: opts.softcap,
             sinks,
@@ -589,7 +642,7 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
     pub(crate) fn key_len(&self, b: usize) -> usize {
         match self.key_lengths {
             // SAFETY: validated to hold `B` entries.
-            Some(p) => unsafe { *p.add(b) },
+            Some(p) => unsafe { p.get(b) },
             None => self.shape.lk,
         }
     }

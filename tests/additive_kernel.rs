@@ -230,7 +230,7 @@ fn check(isa: Isa, c: &Case, rng: &mut SmallRng) {
             },
             ldbias: n,
             mask: if c.mask {
-                mask.as_ptr()
+                mask.as_ptr().cast::<u8>()
             } else {
                 core::ptr::null()
             },
@@ -462,7 +462,7 @@ fn kernel_nan_propagates_and_fully_masked_rows_are_zero() {
             o[dv..].iter().all(|x| x.is_nan()),
             "{isa}: NaN must propagate"
         );
-        args.spec.mask = mask.as_ptr();
+        args.spec.mask = mask.as_ptr().cast::<u8>();
         // SAFETY: as above.
         unsafe { additive_forward(isa, &args, &mut scratch) };
         assert!(

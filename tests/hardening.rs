@@ -470,7 +470,7 @@ fn zero_sized_dimensions_with_huge_others() {
     .unwrap();
     // B = 0, and a full-size mask whose other dimensions multiply past usize.
     let (h, l) = (1 << 10, 1 << 31);
-    let mask = MaskRef::new(&[], [0, h, l, l]);
+    let mask = MaskRef::<bool>::new(&[], [0, h, l, l]);
     let (qs, ks) = ([0, h, l, 0], [0, h, l, 0]);
     sdpa(
         &Tensor::bhld(&e, qs),

@@ -1529,3 +1529,93 @@ fn sdpa_ext_vec_equals_sdpa_ext() {
         "{r:?}"
     );
 }
+
+/// Masks and key lengths in the types users hold (#18), read in place: a `u8` mask (any
+/// nonzero byte attends, 0 masks) equals the `bool` mask, and `u32`/`i32`/`i64` key lengths
+/// equal `usize` ones, bitwise, on every ISA and kernel; a negative or too-large length and a
+/// wrong count are refused by name.
+#[test]
+fn byte_masks_and_integer_key_lengths() {
+    let dims = Dims {
+        b: 3,
+        hq: 4,
+        hkv: 2,
+        lq: 9,
+        lk: 70,
+        d: 16,
+        dv: 8,
+    };
+    let mut rng = SmallRng::seed_from_u64(17);
+    let q = randn(&mut rng, dims.q().iter().product(), 1.0);
+    let k = randn(&mut rng, dims.k().iter().product(), 1.0);
+    let v = randn(&mut rng, dims.v().iter().product(), 1.0);
+    let ms = [dims.b, 1, dims.lq, dims.lk];
+    let bytes: Vec<u8> = (0..ms.iter().product())
+        .map(|_| *[0u8, 1, 7, 255].choose(&mut rng).unwrap())
+        .collect();
+    let bools: Vec<bool> = bytes.iter().map(|&x| x != 0).collect();
+    let lens = [70usize, 31, 0];
+    let (l32, li32, li64) = (
+        lens.map(|x| x as u32),
+        lens.map(|x| x as i32),
+        lens.map(|x| x as i64),
+    );
+    let (qt, kt, vt) = (
+        Tensor::bhld(&q, dims.q()),
+        Tensor::bhld(&k, dims.k()),
+        Tensor::bhld(&v, dims.v()),
+    );
+    let n: usize = dims.out().iter().product();
+    for isa in isas() {
+        for kernel in KERNELS {
+            let run = |opts: SdpaOptions| {
+                let mut out = vec![0.0f32; n];
+                let mut ov = TensorMut::bhld(&mut out, dims.out());
+                run_kernel(kernel, &qt, &kt, &vt, &mut ov, &opts.isa(isa), None).unwrap();
+                out
+            };
+            let base = SdpaOptions::new().causal(Causal::BottomRight);
+            let want = run(base.bool_mask(MaskRef::new(&bools, ms)).key_lengths(&lens));
+            let ctx = format!("{isa} {kernel:?}");
+            assert!(want.iter().any(|&x| x != 0.0), "{ctx}");
+            let m8 = MaskRef::new(&bytes, ms);
+            assert_eq!(run(base.bool_mask(m8).key_lengths(&lens)), want, "{ctx} u8");
+            assert_eq!(run(base.bool_mask(m8).key_lengths(&l32)), want, "{ctx} u32");
+            assert_eq!(
+                run(base.bool_mask(m8).key_lengths(&li32)),
+                want,
+                "{ctx} i32"
+            );
+            assert_eq!(
+                run(base.bool_mask(m8).key_lengths(&li64)),
+                want,
+                "{ctx} i64"
+            );
+        }
+    }
+    let call = |opts: SdpaOptions| attnkit::sdpa_vec(&qt, &kt, &vt, &opts).err();
+    assert_eq!(
+        call(SdpaOptions::new().key_lengths(&[70i64, -1, 3])),
+        Some(AttnError::BadParam {
+            arg: "key_lengths",
+            reason: "a key length is negative"
+        })
+    );
+    assert_eq!(
+        call(SdpaOptions::new().key_lengths(&[70i32, 71, 3])),
+        Some(AttnError::KeyLength {
+            batch: 1,
+            len: 71,
+            lk: 70
+        })
+    );
+    assert_eq!(
+        call(SdpaOptions::new().key_lengths(&[1u32, 2])),
+        Some(AttnError::ShapeMismatch {
+            arg: "key_lengths",
+            dim: "B",
+            expected: 3,
+            got: 2
+        })
+    );
+}

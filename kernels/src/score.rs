@@ -59,8 +59,9 @@ pub struct ScoreSpec {
     pub bias: *const f32,
     /// Row stride of the bias (0 broadcasts one row).
     pub ldbias: usize,
-    /// Boolean mask (true = attend) `(r, j)` at `mask + r*ldmask + j`, or null.
-    pub mask: *const bool,
+    /// Boolean mask as bytes (nonzero = attend; a `bool` is such a byte) `(r, j)` at
+    /// `mask + r*ldmask + j`, or null.
+    pub mask: *const u8,
     /// Row stride of the mask (0 broadcasts one row).
     pub ldmask: usize,
 }
@@ -187,7 +188,7 @@ impl ScoreSpec {
                 }
                 if !self.mask.is_null() {
                     for (r, x) in row.iter_mut().enumerate() {
-                        if !*self.mask.add(r * self.ldmask + jj) {
+                        if *self.mask.add(r * self.ldmask + jj) == 0 {
                             *x = f32::NEG_INFINITY;
                         }
                     }
@@ -282,7 +283,7 @@ impl ScoreSpec {
             let mask = self.mask.wrapping_add(r * self.ldmask);
             for c in 0..n {
                 let j = j0 + c;
-                if j < lo || j >= hi || (!self.mask.is_null() && !*mask.add(j)) {
+                if j < lo || j >= hi || (!self.mask.is_null() && *mask.add(j) == 0) {
                     *p.add(c) = f32::NEG_INFINITY;
                 } else if !self.bias.is_null() {
                     *p.add(c) += *bias.add(j) * u;

@@ -190,7 +190,7 @@ fn flash_forward_matches_reference() {
                 },
                 ldbias: n,
                 mask: if use_mask {
-                    mask.as_ptr()
+                    mask.as_ptr().cast::<u8>()
                 } else {
                     std::ptr::null()
                 },
@@ -337,7 +337,7 @@ fn decode_partials_merge_to_reference() {
                         spec.bias = bias[r * n..].as_ptr();
                     }
                     if use_mask {
-                        spec.mask = mask[r * n..].as_ptr();
+                        spec.mask = mask[r * n..].as_ptr().cast::<u8>();
                     }
                     spec.softcap = (case % 8 == 3).then(|| rng.gen_range(0.5..3.0f32));
                     spec.alibi = (case % 9 == 2 || case % 9 == 7).then(|| Alibi {

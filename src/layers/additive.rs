@@ -490,11 +490,12 @@ impl AdditiveAttention {
         // Mask: (1|B, 1, 1|Lq, Lk) dense; broadcast strides.
         let (mut bias_p, mut mask_p) = (
             (SendConst(core::ptr::null::<f32>()), [0usize; 2]),
-            (SendConst(core::ptr::null::<bool>()), [0usize; 2]),
+            (SendConst(core::ptr::null::<u8>()), [0usize; 2]),
         );
         if let Some(m) = opts.mask {
             let (shape, len) = match m {
                 AttnMask::Bool(r) => (r.shape, r.data.len()),
+                AttnMask::Bytes(r) => (r.shape, r.data.len()),
                 AttnMask::Bias(r) => (r.shape, r.data.len()),
             };
             let [mb, mh, mq, mk] = shape;
@@ -518,7 +519,8 @@ impl AdditiveAttention {
                 if mq == 1 { 0 } else { mk },
             ];
             match m {
-                AttnMask::Bool(r) => mask_p = (SendConst(r.data.as_ptr()), st),
+                AttnMask::Bool(r) => mask_p = (SendConst(r.as_bytes().data.as_ptr()), st),
+                AttnMask::Bytes(r) => mask_p = (SendConst(r.data.as_ptr()), st),
                 AttnMask::Bias(r) => bias_p = (SendConst(r.data.as_ptr()), st),
             }
         }

@@ -4,7 +4,7 @@
 use super::options::{KeyPadding, KpData, MaskData, MhaOptions};
 use crate::error::{AttnError, Result};
 use crate::layers::product;
-use crate::options::{MaskRef, SdpaOptions};
+use crate::options::{KeyLengths, MaskRef, SdpaOptions};
 
 /// Masks converted to SDPA's forms; owns what had to be materialised.
 #[derive(Default)]
@@ -17,8 +17,11 @@ pub(super) struct SdpaMasks<'a> {
 
 impl<'a> SdpaMasks<'a> {
     pub(super) fn apply<'s>(&'s self, o: &mut SdpaOptions<'s>) {
-        o.key_lengths = self.key_lengths.as_deref();
-        o.bool_mask = self.bool_mask.as_ref().map(|(m, s)| MaskRef::new(m, *s));
+        o.key_lengths = self.key_lengths.as_deref().map(KeyLengths::Usize);
+        o.bool_mask = self
+            .bool_mask
+            .as_ref()
+            .map(|(m, s)| MaskRef::new(m.as_slice(), *s).as_bytes());
         o.bias = match (&self.owned_bias, self.borrowed_bias) {
             (Some((m, s)), _) => Some(MaskRef::new(m, *s)),
             (None, Some((m, s))) => Some(MaskRef::new(m, s)),
