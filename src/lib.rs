@@ -12,6 +12,38 @@
 //! in that order (`Tensor::blhd(x, [B, L, H, D])`, `Tokens::lbe(x, [L, B, E])`); strided
 //! constructors and everything that reports a shape use the logical order, `(B, H, L, D)` for a
 //! [`Tensor`] and `(B, L, E)` for [`Tokens`].
+//!
+//! ```
+//! use attnkit::{sdpa_vec, Causal, SdpaOptions, Tensor};
+//! // 8 query heads over 2 KV heads (GQA), 5 new tokens against 12 keys, head width 16.
+//! let (hq, hkv, lq, lk, d) = (8, 2, 5, 12, 16);
+//! let q: Vec<f32> = (0..lq * hq * d).map(|i| (i % 7) as f32 * 0.1).collect(); // (B, L, H, D)
+//! let k: Vec<f32> = (0..hkv * lk * d).map(|i| (i % 5) as f32 * 0.1).collect(); // (B, H, L, D)
+//! let v = k.clone();
+//! let out = sdpa_vec(
+//!     &Tensor::blhd(&q, [1, lq, hq, d]),
+//!     &Tensor::bhld(&k, [1, hkv, lk, d]),
+//!     &Tensor::bhld(&v, [1, hkv, lk, d]),
+//!     &SdpaOptions::new().causal(Causal::BottomRight),
+//! )?; // dense (B, Hq, Lq, D)
+//! assert_eq!(out.len(), hq * lq * d);
+//! # Ok::<(), attnkit::AttnError>(())
+//! ```
+//!
+//! ## Map
+//!
+//! | | |
+//! |---|---|
+//! | attention | [`sdpa`] (into a view), [`sdpa_vec`] (allocating), [`sdpa_ext`] / [`sdpa_ext_vec`] (with logsumexp and weights), [`sdpa_int8`]; options in [`SdpaOptions`]: scale, [`Causal`] alignment, bool (`bool`/`u8`) and float masks, [`KeyLengths`], window, ALiBi ([`alibi_slopes`]), softcap, sinks, [`Kernel`], [`Isa`], [`Par`] |
+//! | element types | Q, K, V in `f32`, [`bf16`] or [`f16`](struct@f16); f32 accumulation; output in any |
+//! | layers | [`MultiheadAttention`] (`nn.MultiheadAttention`), [`SelfAttention`], [`AdditiveAttention`], [`Linear`], over [`Tokens`]; from a [`StateDict`] (PyTorch names) or freshly initialised ([`InitRng`]) |
+//! | decoding | [`KvCache`] (f32, bf16, f16, int8) and [`PagedKvCache`] (pages, `fork`, copy-on-write), each with `append` and `attend` |
+//! | composition | [`merge`] (results over disjoint key ranges, by logsumexp), [`split_heads`] / [`merge_heads`] |
+//! | baselines | [`unfused`] (GEMM → softmax → GEMM), [`kernels`] (the raw-slice kernels and their f64 twins) |
+//!
+//! Features: `rayon` (default; threads), `safetensors` (default; checkpoint files), `blas` (the
+//! system OpenBLAS for the unfused baseline). Errors are [`AttnError`]s that name the argument
+//! and the sizes; a refused call changes nothing.
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
