@@ -49,6 +49,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod alloc;
+mod backward;
 mod decode;
 mod error;
 mod exec;
@@ -68,6 +69,7 @@ pub mod unfused;
 mod view;
 
 pub use attnkit_kernels::{bf16, f16, Dtype, Elem, Isa, IsaError, Operand, Stored};
+pub use backward::{sdpa_backward, sdpa_backward_vec, Gradients, Saved};
 pub use error::{AttnError, Result};
 pub use heads::{merge_heads, split_heads};
 pub use kv_cache::KvCache;

@@ -224,7 +224,7 @@ fn mismatch(arg: &'static str, dim: &'static str, expected: usize, got: usize) -
 /// The strides the kernels step by for rows `width` wide: none for empty rows (they are never
 /// dereferenced, so no pointer steps past an empty buffer), and 0 for size-1 dimensions (never
 /// stepped; a huge one there would pass validation, then overflow the kernels' signed strides).
-fn used_strides(width: usize, shape: [usize; 4], strides: [usize; 3]) -> [usize; 3] {
+pub(crate) fn used_strides(width: usize, shape: [usize; 4], strides: [usize; 3]) -> [usize; 3] {
     core::array::from_fn(|i| {
         if width == 0 || shape[i] == 1 {
             0

@@ -1309,3 +1309,137 @@ fn every_lowp_case_is_copied_and_tested() {
         );
     }
 }
+
+// Backward (kind `sdpa_backward`): the forward through `sdpa_ext_vec` (for O and the
+// logsumexp), then `sdpa_backward`; dQ, dK and dV within 1e-5 (abs + rel) of the f64 autograd
+// golden — PyTorch's own f32 lands within 1.1e-6 (the cases' tolerance hints). The explicit
+// masks run once as given and once as the option they spell (`Causal::BottomRight`; key
+// lengths read as the file's `i32` next to the bias), and both must pass.
+
+const BACKWARD_CASES: [&str; 4] = [
+    "sdpa_backward_basic",
+    "sdpa_backward_causal",
+    "sdpa_backward_gqa",
+    "sdpa_backward_mask",
+];
+
+fn check_backward_case(name: &str) {
+    use attnkit::{sdpa_backward_vec, sdpa_ext_vec, Returns, Saved};
+    let g = Golden::open(name);
+    let (q, qs) = g.f32("q");
+    let (k, ks) = g.f32("k");
+    let (v, vs) = g.f32("v");
+    let (dout, os) = g.f32("dout");
+    let shape = |s: &[usize]| -> [usize; 4] { s.try_into().expect("4-D") };
+    let (qs, ks, vs, os) = (shape(&qs), shape(&ks), shape(&vs), shape(&os));
+    let mask = g.has_input("mask").then(|| g.bools("mask"));
+    let bias = g.has_input("bias").then(|| g.f32("bias"));
+    let lens = g.has_input("key_lengths").then(|| g.i32("key_lengths").0);
+    let mut ways: Vec<(&str, SdpaOptions)> = Vec::new();
+    let mut base = SdpaOptions::new();
+    if g.param("is_causal").bool() {
+        base = base.causal(Causal::TopLeft);
+    }
+    if let Some((b, s)) = &bias {
+        base = base.bias(MaskRef::new(b, shape(s)));
+    }
+    if let Some(l) = &lens {
+        base = base.key_lengths(l);
+    }
+    match &mask {
+        Some((m, s)) => {
+            ways.push((
+                "as given",
+                base.bool_mask(MaskRef::new(m, [1, 1, s[0], s[1]])),
+            ));
+            assert!(g.param("causal_semantics").bool(), "{name}: mask is causal");
+            ways.push(("as Causal::BottomRight", base.causal(Causal::BottomRight)));
+        }
+        None => ways.push(("as given", base)),
+    }
+    let want: Vec<Vec<f64>> = ["dq_f64", "dk_f64", "dv_f64"]
+        .iter()
+        .map(|k| g.f64_out(k).expect(k).0)
+        .collect();
+    for isa in isas() {
+        for (how, opts) in &ways {
+            let opts = opts.isa(isa);
+            let (qt, kt, vt) = (
+                Tensor::bhld(&q, qs),
+                Tensor::bhld(&k, ks),
+                Tensor::bhld(&v, vs),
+            );
+            let fwd = sdpa_ext_vec(
+                &qt,
+                &kt,
+                &vt,
+                &opts,
+                Returns {
+                    lse: true,
+                    weights: false,
+                },
+            )
+            .unwrap();
+            let lse = fwd.lse.unwrap();
+            let saved = Saved {
+                q: qt,
+                k: kt,
+                v: vt,
+                out: Tensor::bhld(&fwd.out, os),
+                lse: &lse,
+            };
+            let got = sdpa_backward_vec(&saved, &Tensor::bhld(&dout, os), &opts).unwrap();
+            for (grad, (got, want)) in ["dq", "dk", "dv"]
+                .iter()
+                .zip([&got.dq, &got.dk, &got.dv].into_iter().zip(&want))
+            {
+                let (max, bad, first) = compare(got, want);
+                assert_eq!(
+                    bad, 0,
+                    "{name} {how} {isa}: {grad} max error {max:e}, first bad at {first:?}"
+                );
+            }
+        }
+    }
+}
+
+macro_rules! backward_cases {
+    ($($case:ident),*) => {
+        mod backward {
+            $(
+            #[test]
+            fn $case() {
+                super::check_backward_case(stringify!($case));
+            }
+            )*
+            #[test]
+            fn the_backward_test_list_matches_cases() {
+                let mut listed = vec![$(stringify!($case)),*];
+                listed.sort();
+                assert_eq!(listed, super::BACKWARD_CASES);
+            }
+        }
+    };
+}
+backward_cases!(
+    sdpa_backward_basic,
+    sdpa_backward_causal,
+    sdpa_backward_gqa,
+    sdpa_backward_mask
+);
+
+/// Every backward case in `tests/data` is tested, and every one of the shared set was copied.
+#[test]
+fn every_backward_case_is_copied_and_tested() {
+    let (ours, shared) = cases_of_kinds(&["sdpa_backward"]);
+    assert_eq!(
+        ours, BACKWARD_CASES,
+        "tests/data and BACKWARD_CASES disagree"
+    );
+    if let Some(shared) = shared {
+        assert_eq!(
+            shared, BACKWARD_CASES,
+            "shared backward cases not all copied"
+        );
+    }
+}

@@ -769,3 +769,76 @@ fn paged_cache_reads_through_its_page_table() {
         assert_eq!(got, want, "{isa}");
     }
 }
+
+/// The backward pass (#17) at Miri's scale: unsafe tile code over strided views, GQA, a causal
+/// window, a bool mask and key lengths (one batch fully padded). Checked by two identities of
+/// softmax attention that hold for any inputs: each row's weights sum to one, so
+/// `Σ_j dV_j = Σ_i dO_i` over the rows with a visible key, and each row's `dS` sums to zero, so
+/// `Σ_j dK_j = 0` — per batch and KV head.
+#[test]
+fn backward_identities_at_small_sizes() {
+    use attnkit::{sdpa_backward_vec, sdpa_ext_vec, Returns, Saved};
+    let (b, hq, hkv, lq, lk, d, dv) = (2, 4, 2, 5, 7, 3, 2);
+    let (q, k, v) = (
+        vals(b * hq * lq * d, 1),
+        vals(b * hkv * lk * d, 2),
+        vals(b * hkv * lk * dv, 3),
+    );
+    let dout = vals(b * hq * lq * dv, 4);
+    let mask: Vec<bool> = (0..lq * lk).map(|x| x % 5 != 3).collect();
+    let lens = [7usize, 0];
+    let opts = SdpaOptions::new()
+        .causal(Causal::BottomRight)
+        .window(4)
+        .key_lengths(&lens)
+        .bool_mask(MaskRef::new(&mask, [1, 1, lq, lk]))
+        .par(Par::Seq);
+    let (qt, kt, vt) = (
+        Tensor::bhld(&q, [b, hq, lq, d]),
+        Tensor::bhld(&k, [b, hkv, lk, d]),
+        Tensor::bhld(&v, [b, hkv, lk, dv]),
+    );
+    let want = Returns {
+        lse: true,
+        weights: false,
+    };
+    let fwd = sdpa_ext_vec(&qt, &kt, &vt, &opts, want).unwrap();
+    let lse = fwd.lse.unwrap();
+    let saved = Saved {
+        q: qt,
+        k: kt,
+        v: vt,
+        out: Tensor::bhld(&fwd.out, [b, hq, lq, dv]),
+        lse: &lse,
+    };
+    let g = sdpa_backward_vec(&saved, &Tensor::bhld(&dout, [b, hq, lq, dv]), &opts).unwrap();
+    let group = hq / hkv;
+    for bi in 0..b {
+        for hk in 0..hkv {
+            for c in 0..dv {
+                let got: f32 = (0..lk)
+                    .map(|j| g.dv[((bi * hkv + hk) * lk + j) * dv + c])
+                    .sum();
+                let want: f32 = (hk * group..(hk + 1) * group)
+                    .flat_map(|h| (0..lq).map(move |i| (h, i)))
+                    .filter(|&(h, i)| lse[(bi * hq + h) * lq + i] != f32::NEG_INFINITY)
+                    .map(|(h, i)| dout[((bi * hq + h) * lq + i) * dv + c])
+                    .sum();
+                assert!(
+                    (got - want).abs() < 1e-5,
+                    "dV sum b{bi} h{hk}: {got} vs {want}"
+                );
+            }
+            for c in 0..d {
+                let s: f32 = (0..lk)
+                    .map(|j| g.dk[((bi * hkv + hk) * lk + j) * d + c])
+                    .sum();
+                assert!(s.abs() < 1e-5, "dK sum b{bi} h{hk}: {s}");
+            }
+        }
+    }
+    // The fully padded batch has no gradient at all.
+    let half = g.dq.len() / 2;
+    assert!(g.dq[half..].iter().all(|&x| x == 0.0));
+    assert!(g.dq[..half].iter().any(|&x| x != 0.0));
+}

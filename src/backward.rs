@@ -1,0 +1,574 @@
+//! The backward pass of [`crate::sdpa`]: dQ, dK and dV from the forward's inputs, its output and
+//! logsumexp, and the upstream gradient dO (FlashAttention-2's formulas, scores recomputed a
+//! tile at a time).
+//!
+//! With `P = exp(logit − lse)`, `D = rowsum(dO ∘ O)`:
+//! `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)` (times the softcap's derivative),
+//! `dQ = scale·dS·K`, `dK = scale·dSᵀ·Q`.
+//!
+//! **Determinism.** Two passes, each with tasks that own their outputs: one task per (batch, KV
+//! head, key block) accumulates that block's dK and dV over the group's query heads and the query
+//! blocks in a fixed order; one task per (batch, query head, query block) accumulates its dQ over
+//! the key blocks. No output is shared between tasks, so results are bitwise the same for any
+//! thread count. The price is recomputing the scores and dP in the second pass (7 block GEMMs
+//! instead of 5) — the alternative, per-key-block partial dQ, costs memory proportional to
+//! `Lk/block · Lq · D` per head.
+
+use crate::alloc::{checked_len, try_zeros};
+use crate::error::{AttnError, Result};
+use crate::exec::{run_tasks, SendPtr};
+use crate::gemm::{sgemm, Backend};
+use crate::options::{Extras, SdpaOptions};
+use crate::plan::{off, used_strides, Plan};
+use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
+use attnkit_kernels::ScoreSpec;
+use std::sync::Mutex;
+
+/// Query rows and keys per tile.
+const BLOCK: usize = 64;
+
+/// What the forward pass leaves for the backward: its inputs, its output `out (B, Hq, Lq, Dv)`
+/// and the natural-log logsumexp of every row, `lse (B, Hq, Lq)` dense (from
+/// [`crate::sdpa_ext`] or [`crate::sdpa_ext_vec`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Saved<'a> {
+    /// Queries `(B, Hq, Lq, D)`.
+    pub q: Tensor<'a>,
+    /// Keys `(B, Hkv, Lk, D)`.
+    pub k: Tensor<'a>,
+    /// Values `(B, Hkv, Lk, Dv)`.
+    pub v: Tensor<'a>,
+    /// The forward's output.
+    pub out: Tensor<'a>,
+    /// The forward's logsumexp.
+    pub lse: &'a [f32],
+}
+
+/// The gradients [`sdpa_backward_vec`] returns, dense `(B, H, L, ·)`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Gradients {
+    /// `(B, Hq, Lq, D)`.
+    pub dq: Vec<f32>,
+    /// `(B, Hkv, Lk, D)`, summed over each KV head's query heads.
+    pub dk: Vec<f32>,
+    /// `(B, Hkv, Lk, Dv)`, likewise.
+    pub dv: Vec<f32>,
+}
+
+/// The gradients of [`crate::sdpa`]'s output with respect to Q, K and V, given the upstream
+/// gradient `dout (B, Hq, Lq, Dv)`, written into `dq`, `dk` and `dv` (shaped as Q, K and V; any
+/// strides, rows disjoint). `opts` must be the forward's: scale, causal alignment, window, key
+/// lengths, bool mask, bias, ALiBi, softcap and sinks all enter the recomputed scores (the
+/// softcap through its derivative). GQA: dK and dV of a KV head are summed over its query heads.
+///
+/// Not (yet) computed: the gradient of the float mask (a learned bias) and of the sink logits.
+/// Inputs are f32; the element-type variants follow the forward's.
+///
+/// # Errors
+/// As [`crate::sdpa`] for `q`, `k`, `v` and the options; [`AttnError::ShapeMismatch`] when
+/// `out`, `dout`, `dq`, `dk` or `dv` does not have its input's shape, [`AttnError::BufferLength`]
+/// for `lse`; overlapping rows of a gradient ([`AttnError::BadStride`]);
+/// [`AttnError::Alloc`] when the per-task scratch cannot be allocated (the gradients are then
+/// unspecified).
+pub fn sdpa_backward(
+    saved: &Saved,
+    dout: &Tensor,
+    dq: &mut TensorMut,
+    dk: &mut TensorMut,
+    dv: &mut TensorMut,
+    opts: &SdpaOptions,
+) -> Result<()> {
+    let Saved { q, k, v, out, lse } = saved;
+    let plan = Plan::<f32, f32, f32>::validate(q, k, v, out.shape, opts, &mut Extras::default())?;
+    let s = plan.shape;
+    let same = |arg: &'static str, want: [usize; 4], got: [usize; 4]| -> Result<()> {
+        const DIMS: [&str; 4] = ["B", "H", "L", "D"];
+        for i in 0..4 {
+            if want[i] != got[i] {
+                return Err(AttnError::ShapeMismatch {
+                    arg,
+                    dim: DIMS[i],
+                    expected: want[i],
+                    got: got[i],
+                });
+            }
+        }
+        Ok(())
+    };
+    let o_shape = [s.b, s.hq, s.lq, s.dv];
+    same("out", o_shape, out.shape)?;
+    same("dout", o_shape, dout.shape)?;
+    same("dq", q.shape, dq.shape)?;
+    same("dk", k.shape, dk.shape)?;
+    same("dv", v.shape, dv.shape)?;
+    check_len("out", out.data.len(), out.shape, out.strides)?;
+    check_len("dout", dout.data.len(), dout.shape, dout.strides)?;
+    let rows = checked_len("lse", &[s.b, s.hq, s.lq])?;
+    if lse.len() != rows {
+        return Err(AttnError::BufferLength {
+            arg: "lse",
+            needed: rows,
+            got: lse.len(),
+        });
+    }
+    for (arg, g) in [("dq", &*dq), ("dk", &*dk), ("dv", &*dv)] {
+        check_len(arg, g.data.len(), g.shape, g.strides)?;
+        check_disjoint(arg, g.shape, g.strides)?;
+    }
+    // K and V of a batch of one are shared by every query batch: their gradients would then
+    // sum over batches, which the per-batch tasks below do not do.
+    if s.b > 1 && (plan.ks[0] == 0 || plan.vs[0] == 0) && s.lk > 0 {
+        return Err(AttnError::BadParam {
+            arg: "k",
+            reason: "the backward pass needs K and V per batch (no batch broadcast)",
+        });
+    }
+    // One task's scratch, tried before anything is written.
+    let scratch = Scratch::len(s.d, s.dv);
+    drop(try_zeros::<f32>("scratch", scratch)?);
+
+    let b = Bwd {
+        plan: &plan,
+        o: (
+            out.data.as_ptr(),
+            used_strides(s.dv, out.shape, out.strides),
+        ),
+        d_o: (
+            dout.data.as_ptr(),
+            used_strides(s.dv, dout.shape, dout.strides),
+        ),
+        lse: lse.as_ptr(),
+        backend: Backend::MatrixMultiply,
+    };
+    let failed = Mutex::new(None);
+    let fail = |e: AttnError| {
+        let mut f = failed.lock().unwrap_or_else(|p| p.into_inner());
+        f.get_or_insert(e);
+    };
+
+    // D = rowsum(dO ∘ O), once per row.
+    let mut delta = try_zeros::<f32>("delta", rows)?;
+    let dp = SendPtr(delta.as_mut_ptr());
+    let heads = s.b * s.hq;
+    run_tasks(opts.par, heads, rows.saturating_mul(s.dv), |t| {
+        // SAFETY: task `t` writes rows `t·Lq..(t+1)·Lq` of `delta` only.
+        unsafe { b.delta(t / s.hq, t % s.hq, dp.get().add(t * s.lq)) };
+    });
+
+    // dK, dV: one task per (batch, KV head, key block).
+    let kblocks = s.lk.div_ceil(BLOCK);
+    let dk_p = (
+        SendPtr(dk.data.as_mut_ptr()),
+        used_strides(s.d, dk.shape, dk.strides),
+    );
+    let dv_p = (
+        SendPtr(dv.data.as_mut_ptr()),
+        used_strides(s.dv, dv.shape, dv.strides),
+    );
+    let work = plan.work().saturating_mul(2);
+    run_tasks(opts.par, s.b * s.hkv * kblocks, work, |t| {
+        let (bh, kb) = (t / kblocks, t % kblocks);
+        // SAFETY: the task writes key rows of block `kb` of KV head `bh % Hkv` of batch
+        // `bh / Hkv` in dk and dv, disjoint from every other task's (checked disjoint views).
+        let r = unsafe { b.dk_dv(bh / s.hkv, bh % s.hkv, kb, &delta, dk_p, dv_p) };
+        if let Err(e) = r {
+            fail(e);
+        }
+    });
+
+    // dQ: one task per (batch, query head, query block).
+    let qblocks = s.lq.div_ceil(BLOCK);
+    let dq_p = (
+        SendPtr(dq.data.as_mut_ptr()),
+        used_strides(s.d, dq.shape, dq.strides),
+    );
+    run_tasks(opts.par, heads * qblocks, work, |t| {
+        let (bh, qb) = (t / qblocks, t % qblocks);
+        // SAFETY: the task writes the rows of query block `qb` of head `bh % Hq` of batch
+        // `bh / Hq` in dq only.
+        let r = unsafe { b.dq(bh / s.hq, bh % s.hq, qb, &delta, dq_p) };
+        if let Err(e) = r {
+            fail(e);
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// [`sdpa_backward`] returning new dense gradients.
+///
+/// # Errors
+/// As [`sdpa_backward`].
+pub fn sdpa_backward_vec(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Gradients> {
+    let (q, k, v) = (saved.q.shape, saved.k.shape, saved.v.shape);
+    let mut g = Gradients {
+        dq: try_zeros("dq", checked_len("dq", &q)?)?,
+        dk: try_zeros("dk", checked_len("dk", &k)?)?,
+        dv: try_zeros("dv", checked_len("dv", &v)?)?,
+    };
+    sdpa_backward(
+        saved,
+        dout,
+        &mut TensorMut::bhld(&mut g.dq, q),
+        &mut TensorMut::bhld(&mut g.dk, k),
+        &mut TensorMut::bhld(&mut g.dv, v),
+        opts,
+    )?;
+    Ok(g)
+}
+
+/// A task's scratch: the probabilities and dP/dS tiles (`BLOCK²` each) and the accumulators
+/// (`BLOCK × D`, `BLOCK × Dv`).
+struct Scratch {
+    buf: Vec<f32>,
+    d: usize,
+}
+
+impl Scratch {
+    fn len(d: usize, dv: usize) -> usize {
+        (2 * BLOCK * BLOCK)
+            .saturating_add(BLOCK.saturating_mul(d))
+            .saturating_add(BLOCK.saturating_mul(dv))
+    }
+    fn new(d: usize, dv: usize) -> Result<Self> {
+        Ok(Scratch {
+            buf: try_zeros("scratch", Self::len(d, dv))?,
+            d,
+        })
+    }
+    /// `(P, dS, acc_d, acc_dv)`.
+    fn parts(&mut self) -> (&mut [f32], &mut [f32], &mut [f32], &mut [f32]) {
+        let (p, rest) = self.buf.split_at_mut(BLOCK * BLOCK);
+        let (ds, rest) = rest.split_at_mut(BLOCK * BLOCK);
+        let (ad, adv) = rest.split_at_mut(BLOCK * self.d);
+        (p, ds, ad, adv)
+    }
+}
+
+/// The validated call, shared by the tasks.
+struct Bwd<'p> {
+    plan: &'p Plan,
+    /// `out` and `dout`: base pointer and (B, H, L) strides.
+    o: (*const f32, [usize; 3]),
+    d_o: (*const f32, [usize; 3]),
+    lse: *const f32,
+    backend: Backend,
+}
+
+// SAFETY: the pointers come from borrows that outlive the call; inputs are only read, and each
+// task writes only the output rows it owns (argued at each task).
+unsafe impl Sync for Bwd<'_> {}
+
+/// `(first row, rows)` of block `blk` of `len`.
+fn block(blk: usize, len: usize) -> (usize, usize) {
+    let r0 = blk * BLOCK;
+    (r0, BLOCK.min(len - r0))
+}
+
+impl Bwd<'_> {
+    /// `delta[i] = Σ_c dO[i, c]·O[i, c]` for the rows of head `h` of batch `b`.
+    ///
+    /// # Safety
+    /// `delta` writable for `Lq` values; `b`, `h` in range.
+    unsafe fn delta(&self, b: usize, h: usize, delta: *mut f32) {
+        let s = &self.plan.shape;
+        for i in 0..s.lq {
+            // SAFETY: rows of validated views; `i < Lq`.
+            unsafe {
+                let o = self.o.0.add(off(self.o.1, b, h, i));
+                let g = self.d_o.0.add(off(self.d_o.1, b, h, i));
+                let mut acc = 0.0f32;
+                for c in 0..s.dv {
+                    acc += *o.add(c) * *g.add(c);
+                }
+                *delta.add(i) = acc;
+            }
+        }
+    }
+
+    /// Whether some row of query block `(i0, m)` may see a key of block `(j0, n)` (a cheap test
+    /// on the first and last rows: visible ranges only move right with the row).
+    fn touches(&self, spec: &ScoreSpec, m: usize, j0: usize, n: usize) -> bool {
+        let (lo, _) = spec.visible_range(0);
+        let (_, hi) = spec.visible_range(m - 1);
+        lo < j0 + n && hi > j0 && lo < hi
+    }
+
+    /// Scores of query rows `i0..i0+m` of head `h` against keys `j0..j0+n` of KV head `hk`,
+    /// turned into probabilities `P` (row stride `n`) in `p` and `dS = P ∘ (dP − D)` (times the
+    /// softcap's derivative) in `ds`, for batch `b`.
+    ///
+    /// # Safety
+    /// Indices in range; `p` and `ds` hold `m·n` values.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile(
+        &self,
+        b: usize,
+        h: usize,
+        hk: usize,
+        (i0, m): (usize, usize),
+        (j0, n): (usize, usize),
+        delta: &[f32],
+        p: &mut [f32],
+        ds: &mut [f32],
+    ) {
+        let pl = self.plan;
+        let s = &pl.shape;
+        let spec = pl.spec(b, h, i0);
+        let (n_i, n_j) = (n as isize, 1isize);
+        // SAFETY: (both GEMMs) operands are rows of validated views (D or Dv contiguous values
+        // at the row offsets) and the scratch tiles of `m·n` values.
+        unsafe {
+            let q = pl.q.add(off(pl.qs, b, h, i0));
+            let k = pl.k.add(off(pl.ks, b, hk, j0));
+            let v = pl.v.add(off(pl.vs, b, hk, j0));
+            let dout = self.d_o.0.add(off(self.d_o.1, b, h, i0));
+            // S = scale·Q·Kᵀ.
+            sgemm(
+                self.backend,
+                m,
+                s.d,
+                n,
+                pl.scale,
+                q,
+                pl.qs[2] as isize,
+                1,
+                k,
+                1,
+                pl.ks[2] as isize,
+                0.0,
+                p.as_mut_ptr(),
+                n_i,
+                n_j,
+            );
+            // dP = dO·Vᵀ.
+            sgemm(
+                self.backend,
+                m,
+                s.dv,
+                n,
+                1.0,
+                dout,
+                self.d_o.1[2] as isize,
+                1,
+                v,
+                1,
+                pl.vs[2] as isize,
+                0.0,
+                ds.as_mut_ptr(),
+                n_i,
+                n_j,
+            );
+        }
+        let row_base = (b * s.hq + h) * s.lq + i0;
+        for r in 0..m {
+            // SAFETY: `row_base + r` is a row of the dense `(B, Hq, Lq)` lse.
+            let l = unsafe { *self.lse.add(row_base + r) };
+            let dr = delta[row_base + r];
+            let (lo, hi) = spec.visible_range(r);
+            let row = r * n..(r + 1) * n;
+            let (pr, dsr) = (&mut p[row.clone()], &mut ds[row]);
+            for c in 0..n {
+                let j = j0 + c;
+                // SAFETY: mask and bias rows of validated, in-bounds views at key `j < Lk`.
+                let logit = unsafe { logit(&spec, r, j, lo, hi, pr[c]) };
+                let (pv, dv) = match logit {
+                    Some((x, deriv)) if l != f32::NEG_INFINITY => {
+                        let pv = (x - l).exp();
+                        (pv, pv * (dsr[c] - dr) * deriv)
+                    }
+                    _ => (0.0, 0.0),
+                };
+                pr[c] = pv;
+                dsr[c] = dv;
+            }
+        }
+    }
+
+    /// dK and dV of key block `kb` of KV head `hk` of batch `b`.
+    ///
+    /// # Safety
+    /// The caller owns those rows of `dk` and `dv`.
+    unsafe fn dk_dv(
+        &self,
+        b: usize,
+        hk: usize,
+        kb: usize,
+        delta: &[f32],
+        (dk, dks): (SendPtr, [usize; 3]),
+        (dv, dvs): (SendPtr, [usize; 3]),
+    ) -> Result<()> {
+        let pl = self.plan;
+        let s = &pl.shape;
+        let (j0, n) = block(kb, s.lk);
+        let mut sc = Scratch::new(s.d, s.dv)?;
+        let (p, ds, acc_k, acc_v) = sc.parts();
+        let (acc_k, acc_v) = (&mut acc_k[..n * s.d], &mut acc_v[..n * s.dv]);
+        let group = s.hq / s.hkv;
+        for h in hk * group..(hk + 1) * group {
+            for qb in 0..s.lq.div_ceil(BLOCK) {
+                let (i0, m) = block(qb, s.lq);
+                if !self.touches(&pl.spec(b, h, i0), m, j0, n) {
+                    continue;
+                }
+                // SAFETY: indices in range; the tiles hold BLOCK² ≥ m·n values.
+                unsafe { self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds) };
+                // SAFETY: the tiles (row stride n), rows of dO and Q (validated views), and the
+                // accumulators (`n × Dv`, `n × D`, dense).
+                unsafe {
+                    let dout = self.d_o.0.add(off(self.d_o.1, b, h, i0));
+                    let q = pl.q.add(off(pl.qs, b, h, i0));
+                    // dV += Pᵀ·dO.
+                    sgemm(
+                        self.backend,
+                        n,
+                        m,
+                        s.dv,
+                        1.0,
+                        p.as_ptr(),
+                        1,
+                        n as isize,
+                        dout,
+                        self.d_o.1[2] as isize,
+                        1,
+                        1.0,
+                        acc_v.as_mut_ptr(),
+                        s.dv as isize,
+                        1,
+                    );
+                    // dK += scale·dSᵀ·Q.
+                    sgemm(
+                        self.backend,
+                        n,
+                        m,
+                        s.d,
+                        pl.scale,
+                        ds.as_ptr(),
+                        1,
+                        n as isize,
+                        q,
+                        pl.qs[2] as isize,
+                        1,
+                        1.0,
+                        acc_k.as_mut_ptr(),
+                        s.d as isize,
+                        1,
+                    );
+                }
+            }
+        }
+        for j in 0..n {
+            // SAFETY: rows `j0 + j` of KV head `hk` of batch `b`, owned by this task.
+            unsafe {
+                let kd = dk.get().add(off(dks, b, hk, j0 + j));
+                core::ptr::copy_nonoverlapping(acc_k.as_ptr().add(j * s.d), kd, s.d);
+                let vd = dv.get().add(off(dvs, b, hk, j0 + j));
+                core::ptr::copy_nonoverlapping(acc_v.as_ptr().add(j * s.dv), vd, s.dv);
+            }
+        }
+        Ok(())
+    }
+
+    /// dQ of query block `qb` of head `h` of batch `b`.
+    ///
+    /// # Safety
+    /// The caller owns those rows of `dq`.
+    unsafe fn dq(
+        &self,
+        b: usize,
+        h: usize,
+        qb: usize,
+        delta: &[f32],
+        (dq, dqs): (SendPtr, [usize; 3]),
+    ) -> Result<()> {
+        let pl = self.plan;
+        let s = &pl.shape;
+        let (i0, m) = block(qb, s.lq);
+        let hk = h / (s.hq / s.hkv);
+        let mut sc = Scratch::new(s.d, s.dv)?;
+        let (p, ds, acc, _) = sc.parts();
+        let acc = &mut acc[..m * s.d];
+        let spec = pl.spec(b, h, i0);
+        for kb in 0..s.lk.div_ceil(BLOCK) {
+            let (j0, n) = block(kb, s.lk);
+            if !self.touches(&spec, m, j0, n) {
+                continue;
+            }
+            // SAFETY: as in `dk_dv`; then dQ += scale·dS·K over K's rows `j0..j0+n`.
+            unsafe {
+                self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds);
+                let k = pl.k.add(off(pl.ks, b, hk, j0));
+                sgemm(
+                    self.backend,
+                    m,
+                    n,
+                    s.d,
+                    pl.scale,
+                    ds.as_ptr(),
+                    n as isize,
+                    1,
+                    k,
+                    pl.ks[2] as isize,
+                    1,
+                    1.0,
+                    acc.as_mut_ptr(),
+                    s.d as isize,
+                    1,
+                );
+            }
+        }
+        for r in 0..m {
+            // SAFETY: row `i0 + r` of head `h` of batch `b`, owned by this task.
+            unsafe {
+                let d = dq.get().add(off(dqs, b, h, i0 + r));
+                core::ptr::copy_nonoverlapping(acc.as_ptr().add(r * s.d), d, s.d);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The logit of local row `r` and key `j` under `spec` for the scaled score `x`, with its
+/// derivative by `x` (the softcap's `1 − tanh²`, else 1); `None` where the key is hidden.
+/// `lo..hi` is the row's visible range.
+///
+/// # Safety
+/// The spec's mask and bias are readable at row `r`, key `j`.
+#[inline(always)]
+unsafe fn logit(
+    spec: &ScoreSpec,
+    r: usize,
+    j: usize,
+    lo: usize,
+    hi: usize,
+    x: f32,
+) -> Option<(f32, f32)> {
+    if j < lo || j >= hi {
+        return None;
+    }
+    // SAFETY: per the contract.
+    if !spec.mask.is_null() && unsafe { *spec.mask.add(r * spec.ldmask + j) } == 0 {
+        return None;
+    }
+    let (mut x, deriv) = match spec.softcap {
+        Some(cap) => {
+            let t = (x / cap).tanh();
+            (cap * t, 1.0 - t * t)
+        }
+        None => (x, 1.0),
+    };
+    if !spec.bias.is_null() {
+        // SAFETY: per the contract.
+        x += unsafe { *spec.bias.add(r * spec.ldbias + j) };
+    }
+    if let Some(a) = spec.alibi {
+        let dist = (spec.row0 + r) as f64 + a.offset as f64 - j as f64;
+        x -= a.slope * dist.abs() as f32;
+    }
+    if x == f32::NEG_INFINITY {
+        return None;
+    }
+    Some((x, deriv))
+}

@@ -1,0 +1,441 @@
+//! `sdpa_backward` (#17) against an f64 backward computed from the f64 reference's weights:
+//! `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))` (times the softcap's `1 − tanh²`),
+//! `dQ = scale·dS·K`, `dK = scale·dSᵀ·Q`, summed over each GQA group — over shapes that cross
+//! the 64-row/64-key tiles (1, odd sizes, Lq ≠ Lk, D ≠ Dv, D not a multiple of a vector), every
+//! causal alignment, windows, key lengths (0 included), bool masks, biases, ALiBi, softcap and
+//! sinks, and strided (BLHD) views. Also: results bitwise independent of the thread count,
+//! typed refusals.
+
+mod common;
+
+use attnkit::{
+    alibi_slopes, sdpa_backward, sdpa_backward_vec, sdpa_ext_vec, AttnError, Causal, MaskRef, Par,
+    Returns, Saved, SdpaOptions, Tensor, TensorMut,
+};
+use common::{compare, mask_index, randn, reference, Dims, Problem, RefMask};
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+/// Gradients in f64 from the reference weights `w (B, Hq, Lq, Lk)` and output.
+fn reference_backward(p: &Problem, w: &[f64], out: &[f64], dout: &[f32]) -> [Vec<f64>; 3] {
+    let Dims {
+        b,
+        hq,
+        hkv,
+        lq,
+        lk,
+        d,
+        dv,
+    } = p.dims;
+    let group = hq / hkv;
+    let (mut dq, mut dk, mut dvv) = (
+        vec![0.0; b * hq * lq * d],
+        vec![0.0; b * hkv * lk * d],
+        vec![0.0; b * hkv * lk * dv],
+    );
+    for bi in 0..b {
+        for h in 0..hq {
+            let kh = h / group;
+            for i in 0..lq {
+                let row = (bi * hq + h) * lq + i;
+                let go = &dout[row * dv..(row + 1) * dv];
+                let delta: f64 = (0..dv).map(|c| go[c] as f64 * out[row * dv + c]).sum();
+                for j in 0..lk {
+                    let pw = w[row * lk + j];
+                    if pw == 0.0 {
+                        continue;
+                    }
+                    let kr = ((bi * hkv + kh) * lk + j) * d;
+                    let vr = ((bi * hkv + kh) * lk + j) * dv;
+                    let mut dp = 0.0;
+                    for c in 0..dv {
+                        dvv[vr + c] += pw * go[c] as f64;
+                        dp += go[c] as f64 * p.v[vr + c] as f64;
+                    }
+                    let mut ds = pw * (dp - delta);
+                    if let Some(cap) = p.softcap {
+                        let x: f64 = (0..d)
+                            .map(|c| p.q[row * d + c] as f64 * p.k[kr + c] as f64)
+                            .sum::<f64>()
+                            * p.scale;
+                        let t = (x / cap).tanh();
+                        ds *= 1.0 - t * t;
+                    }
+                    for c in 0..d {
+                        dq[row * d + c] += p.scale * ds * p.k[kr + c] as f64;
+                        dk[kr + c] += p.scale * ds * p.q[row * d + c] as f64;
+                    }
+                }
+            }
+        }
+    }
+    [dq, dk, dvv]
+}
+
+/// `(B, H, L, X)` dense re-laid-out as `(B, L, H, X)`.
+fn to_blhd(x: &[f32], [b, h, l, w]: [usize; 4]) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    for bi in 0..b {
+        for hi in 0..h {
+            for li in 0..l {
+                let src = ((bi * h + hi) * l + li) * w;
+                let dst = ((bi * l + li) * h + hi) * w;
+                y[dst..dst + w].copy_from_slice(&x[src..src + w]);
+            }
+        }
+    }
+    y
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    dims: Dims,
+    causal: Option<Causal>,
+    window: Option<usize>,
+    lens: Option<Vec<usize>>,
+    mask: u8, // 0 none, 1 bool, 2 bias
+    alibi: bool,
+    softcap: Option<f32>,
+    sinks: bool,
+    blhd: bool,
+}
+
+fn check(c: &Case, seed: u64) -> f64 {
+    let dims = c.dims;
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let q = randn(&mut rng, dims.q().iter().product(), 1.0);
+    let k = randn(&mut rng, dims.k().iter().product(), 1.0);
+    let v = randn(&mut rng, dims.v().iter().product(), 1.0);
+    let dout = randn(&mut rng, dims.out().iter().product(), 1.0);
+    let ms = [dims.b, 1, dims.lq, dims.lk];
+    let bools: Vec<bool> = (0..ms.iter().product())
+        .map(|_| rng.gen_bool(0.8))
+        .collect();
+    let bias: Vec<f32> = (0..ms.iter().product())
+        .map(|_| {
+            if rng.gen_bool(0.1) {
+                f32::NEG_INFINITY
+            } else {
+                rng.gen_range(-2.0..2.0)
+            }
+        })
+        .collect();
+    let slopes = alibi_slopes(dims.hq, 8.0);
+    let sinks: Vec<f32> = (0..dims.hq).map(|h| h as f32 * 0.5 - 1.0).collect();
+    let mut opts = SdpaOptions::new();
+    if let Some(cz) = c.causal {
+        opts = opts.causal(cz);
+    }
+    if let Some(w) = c.window {
+        opts = opts.window(w);
+    }
+    if let Some(l) = &c.lens {
+        opts = opts.key_lengths(l);
+    }
+    let mask = match c.mask {
+        1 => {
+            opts = opts.bool_mask(MaskRef::new(&bools, ms));
+            RefMask::Bool(&bools, ms)
+        }
+        2 => {
+            opts = opts.bias(MaskRef::new(&bias, ms));
+            RefMask::Bias(&bias, ms)
+        }
+        _ => RefMask::None,
+    };
+    if c.alibi {
+        opts = opts.alibi(&slopes);
+    }
+    if let Some(cap) = c.softcap {
+        opts = opts.softcap(cap);
+    }
+    if c.sinks {
+        opts = opts.sinks(&sinks);
+    }
+    let scale = 1.0 / (dims.d.max(1) as f64).sqrt();
+    let p = Problem {
+        dims,
+        q: &q,
+        k: &k,
+        v: &v,
+        scale,
+        causal: c.causal,
+        window: c.window,
+        mask,
+        key_lengths: c.lens.as_deref(),
+        alibi: c.alibi.then_some(&slopes[..]),
+        softcap: c.softcap.map(f64::from),
+        sinks: c.sinks.then_some(&sinks[..]),
+    };
+    let r = reference(&p);
+    let want = reference_backward(&p, &r.w, &r.out, &dout);
+
+    let (qt, kt, vt) = (
+        Tensor::bhld(&q, dims.q()),
+        Tensor::bhld(&k, dims.k()),
+        Tensor::bhld(&v, dims.v()),
+    );
+    let fwd = sdpa_ext_vec(
+        &qt,
+        &kt,
+        &vt,
+        &opts,
+        Returns {
+            lse: true,
+            weights: false,
+        },
+    )
+    .unwrap();
+    let lse = fwd.lse.unwrap();
+    let got = if c.blhd {
+        // Every view in (B, L, H, ·) memory: strides on every argument.
+        let lh = |s: [usize; 4]| [s[0], s[2], s[1], s[3]];
+        let (qb, kb, vb) = (
+            to_blhd(&q, dims.q()),
+            to_blhd(&k, dims.k()),
+            to_blhd(&v, dims.v()),
+        );
+        let (ob, gb) = (to_blhd(&fwd.out, dims.out()), to_blhd(&dout, dims.out()));
+        let saved = Saved {
+            q: Tensor::blhd(&qb, lh(dims.q())),
+            k: Tensor::blhd(&kb, lh(dims.k())),
+            v: Tensor::blhd(&vb, lh(dims.v())),
+            out: Tensor::blhd(&ob, lh(dims.out())),
+            lse: &lse,
+        };
+        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        sdpa_backward(
+            &saved,
+            &Tensor::blhd(&gb, lh(dims.out())),
+            &mut TensorMut::blhd(&mut dq, lh(dims.q())),
+            &mut TensorMut::blhd(&mut dk, lh(dims.k())),
+            &mut TensorMut::blhd(&mut dv, lh(dims.v())),
+            &opts,
+        )
+        .unwrap();
+        let back = |x: &[f32], s: [usize; 4]| -> Vec<f32> {
+            // (B, L, H, X) → (B, H, L, X).
+            let [b, h, l, w] = s;
+            let mut y = vec![0.0; x.len()];
+            for bi in 0..b {
+                for li in 0..l {
+                    for hi in 0..h {
+                        let src = ((bi * l + li) * h + hi) * w;
+                        let dst = ((bi * h + hi) * l + li) * w;
+                        y[dst..dst + w].copy_from_slice(&x[src..src + w]);
+                    }
+                }
+            }
+            y
+        };
+        [
+            back(&dq, dims.q()),
+            back(&dk, dims.k()),
+            back(&dv, dims.v()),
+        ]
+    } else {
+        let saved = Saved {
+            q: qt,
+            k: kt,
+            v: vt,
+            out: Tensor::bhld(&fwd.out, dims.out()),
+            lse: &lse,
+        };
+        let g = sdpa_backward_vec(&saved, &Tensor::bhld(&dout, dims.out()), &opts).unwrap();
+        [g.dq, g.dk, g.dv]
+    };
+    let mut worst = 0.0f64;
+    for (name, (g, w)) in ["dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+        // Tolerance: 1e-5 absolute + relative to the gradient's own scale (sums over up to Lq·Lk
+        // terms of O(1) products; the forward's f32 lse and O enter as well).
+        let scale = w.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+        let (max, _, first) = compare(g, w);
+        let rel = max / scale;
+        worst = worst.max(rel);
+        assert!(
+            rel <= 2e-5,
+            "{name}: max error {max:e} (scale {scale:e}) at {first:?} in {c:?}"
+        );
+    }
+    worst
+}
+
+/// The lengths that cross the 64-row/64-key tiles.
+const LENS: [usize; 9] = [1, 2, 7, 33, 63, 64, 65, 100, 130];
+
+#[test]
+fn backward_matches_the_f64_reference() {
+    let mut rng = SmallRng::seed_from_u64(1717);
+    let mut worst = 0.0f64;
+    for case in 0..60 {
+        let (hq, hkv) = *[(1, 1), (2, 2), (4, 2), (6, 1), (8, 2)]
+            .choose(&mut rng)
+            .unwrap();
+        let d = *[1, 3, 8, 16, 24, 64].choose(&mut rng).unwrap();
+        let dims = Dims {
+            b: rng.gen_range(1..=2),
+            hq,
+            hkv,
+            lq: *LENS.choose(&mut rng).unwrap(),
+            lk: *LENS.choose(&mut rng).unwrap(),
+            d,
+            dv: if rng.gen_bool(0.5) {
+                d
+            } else {
+                *[5, 16, 40].choose(&mut rng).unwrap()
+            },
+        };
+        let causal = *[
+            None,
+            Some(Causal::TopLeft),
+            Some(Causal::BottomRight),
+            Some(Causal::BottomRightAtLk),
+        ]
+        .choose(&mut rng)
+        .unwrap();
+        let c = Case {
+            dims,
+            causal,
+            window: (causal.is_some() && rng.gen_bool(0.3)).then(|| rng.gen_range(1..=dims.lk + 1)),
+            lens: rng.gen_bool(0.3).then(|| {
+                (0..dims.b)
+                    .map(|_| {
+                        *[0, dims.lk, rng.gen_range(0..=dims.lk)]
+                            .choose(&mut rng)
+                            .unwrap()
+                    })
+                    .collect()
+            }),
+            mask: rng.gen_range(0..3),
+            alibi: rng.gen_bool(0.25),
+            softcap: rng.gen_bool(0.25).then_some(5.0),
+            sinks: rng.gen_bool(0.2),
+            blhd: rng.gen_bool(0.3),
+        };
+        worst = worst.max(check(&c, 100 + case));
+    }
+    eprintln!("worst gradient error / gradient scale: {worst:e}");
+}
+
+/// dQ, dK, dV are bitwise the same on one thread and on pools of 2 and 3 (the tasks own their
+/// outputs and accumulate in a fixed order).
+#[test]
+fn backward_does_not_depend_on_the_thread_count() {
+    let dims = Dims {
+        b: 1,
+        hq: 4,
+        hkv: 2,
+        lq: 300,
+        lk: 260,
+        d: 64,
+        dv: 48,
+    };
+    let mut rng = SmallRng::seed_from_u64(3);
+    let q = randn(&mut rng, dims.q().iter().product(), 1.0);
+    let k = randn(&mut rng, dims.k().iter().product(), 1.0);
+    let v = randn(&mut rng, dims.v().iter().product(), 1.0);
+    let dout = randn(&mut rng, dims.out().iter().product(), 1.0);
+    let (qt, kt, vt) = (
+        Tensor::bhld(&q, dims.q()),
+        Tensor::bhld(&k, dims.k()),
+        Tensor::bhld(&v, dims.v()),
+    );
+    let opts = SdpaOptions::new().causal(Causal::BottomRight);
+    let want_lse = Returns {
+        lse: true,
+        weights: false,
+    };
+    let fwd = sdpa_ext_vec(&qt, &kt, &vt, &opts, want_lse).unwrap();
+    let lse = fwd.lse.unwrap();
+    let saved = Saved {
+        q: qt,
+        k: kt,
+        v: vt,
+        out: Tensor::bhld(&fwd.out, dims.out()),
+        lse: &lse,
+    };
+    let go = Tensor::bhld(&dout, dims.out());
+    let seq = sdpa_backward_vec(&saved, &go, &opts.par(Par::Seq)).unwrap();
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let got = pool.install(|| sdpa_backward_vec(&saved, &go, &opts).unwrap());
+        assert!(got == seq, "{threads} threads differ from one");
+    }
+}
+
+#[test]
+fn backward_refusals_name_the_argument() {
+    let (b, h, l, d) = (2, 2, 5, 4);
+    let x = vec![0.5f32; b * h * l * d];
+    let t = Tensor::bhld(&x, [b, h, l, d]);
+    let lse = vec![0.0f32; b * h * l];
+    let saved = Saved {
+        q: t,
+        k: t,
+        v: t,
+        out: t,
+        lse: &lse,
+    };
+    let short = Tensor::bhld(&x[..b * h * (l - 1) * d], [b, h, l - 1, d]);
+    let r = sdpa_backward_vec(&saved, &short, &SdpaOptions::new());
+    assert_eq!(
+        r.err(),
+        Some(AttnError::ShapeMismatch {
+            arg: "dout",
+            dim: "L",
+            expected: l,
+            got: l - 1
+        })
+    );
+    let bad = Saved {
+        lse: &lse[1..],
+        ..saved
+    };
+    let r = sdpa_backward_vec(&bad, &t, &SdpaOptions::new());
+    assert_eq!(
+        r.err(),
+        Some(AttnError::BufferLength {
+            arg: "lse",
+            needed: b * h * l,
+            got: b * h * l - 1
+        })
+    );
+    // Gradient rows on top of each other.
+    let (mut dq, mut dk, mut dv) = (x.clone(), x.clone(), x.clone());
+    let before = dq.clone();
+    let r = sdpa_backward(
+        &saved,
+        &t,
+        &mut TensorMut::strided(&mut dq, [b, h, l, d], [0, l * d, d]),
+        &mut TensorMut::bhld(&mut dk, [b, h, l, d]),
+        &mut TensorMut::bhld(&mut dv, [b, h, l, d]),
+        &SdpaOptions::new(),
+    );
+    assert!(
+        matches!(r, Err(AttnError::BadStride { arg: "dq", .. })),
+        "{r:?}"
+    );
+    assert_eq!(dq, before, "a refused call writes nothing");
+    // A mask index past its own end is the forward's error, named the same way.
+    let m = vec![true; l];
+    let r = sdpa_backward_vec(
+        &saved,
+        &t,
+        &SdpaOptions::new().bool_mask(MaskRef::new(&m, [1, 1, 1, l + 1])),
+    );
+    assert!(
+        matches!(
+            r,
+            Err(AttnError::ShapeMismatch {
+                arg: "bool_mask",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let _ = mask_index;
+}
