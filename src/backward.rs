@@ -21,11 +21,17 @@ use crate::gemm::{sgemm, Backend};
 use crate::options::{Extras, SdpaOptions};
 use crate::plan::{off, used_strides, Plan};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::ScoreSpec;
+use attnkit_kernels::{apply_scores, exp2_slice, ScoreSpec};
 use std::sync::Mutex;
 
 /// Query rows and keys per tile.
 const BLOCK: usize = 64;
+
+/// From this many (batch, KV head) pairs on, one task per pair computes all three gradients in
+/// one pass (5 GEMMs per tile instead of 7); below, keys are split across tasks too and dQ takes
+/// a second pass. A property of the shape, so results do not depend on the thread count; both
+/// ways add the same tiles in the same order, so they agree bit for bit.
+const ONE_PASS_TASKS: usize = 16;
 
 /// What the forward pass leaves for the backward: its inputs, its output `out (B, Hq, Lq, Dv)`
 /// and the natural-log logsumexp of every row, `lse (B, Hq, Lq)` dense (from
@@ -155,8 +161,11 @@ pub fn sdpa_backward(
         unsafe { b.delta(t / s.hq, t % s.hq, dp.get().add(t * s.lq)) };
     });
 
-    // dK, dV: one task per (batch, KV head, key block).
     let kblocks = s.lk.div_ceil(BLOCK);
+    let dq_p = (
+        SendPtr(dq.data.as_mut_ptr()),
+        used_strides(s.d, dq.shape, dq.strides),
+    );
     let dk_p = (
         SendPtr(dk.data.as_mut_ptr()),
         used_strides(s.d, dk.shape, dk.strides),
@@ -166,22 +175,48 @@ pub fn sdpa_backward(
         used_strides(s.dv, dv.shape, dv.strides),
     );
     let work = plan.work().saturating_mul(2);
+    if s.b * s.hkv >= ONE_PASS_TASKS {
+        // Enough (batch, KV head) pairs to keep the cores busy: one task per pair owns the dK
+        // and dV of its keys and the dQ of its query heads, and computes every tile once.
+        run_tasks(opts.par, s.b * s.hkv, work, |t| {
+            // SAFETY: the task writes the rows of KV head `t % Hkv` of batch `t / Hkv` in dk and
+            // dv and the rows of its query heads in dq, disjoint from every other task's.
+            let r = unsafe { b.one_pass(t / s.hkv, t % s.hkv, &delta, dq_p, dk_p, dv_p) };
+            if let Err(e) = r {
+                fail(e);
+            }
+        });
+        return match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+    }
+    // Few pairs (one long sequence): split the keys too. dK, dV: one task per (batch, KV head,
+    // key block); then dQ: one task per (batch, query head, query block), recomputing the tiles.
     run_tasks(opts.par, s.b * s.hkv * kblocks, work, |t| {
         let (bh, kb) = (t / kblocks, t % kblocks);
-        // SAFETY: the task writes key rows of block `kb` of KV head `bh % Hkv` of batch
-        // `bh / Hkv` in dk and dv, disjoint from every other task's (checked disjoint views).
-        let r = unsafe { b.dk_dv(bh / s.hkv, bh % s.hkv, kb, &delta, dk_p, dv_p) };
+        let r = Scratch::new(s.d, s.dv).map(|mut sc| {
+            // SAFETY: the task writes key rows of block `kb` of KV head `bh % Hkv` of batch
+            // `bh / Hkv` in dk and dv, disjoint from every other task's (checked disjoint views).
+            unsafe {
+                b.dk_dv(
+                    bh / s.hkv,
+                    bh % s.hkv,
+                    kb,
+                    &delta,
+                    dk_p,
+                    dv_p,
+                    None,
+                    &mut sc,
+                )
+            }
+        });
         if let Err(e) = r {
             fail(e);
         }
     });
 
-    // dQ: one task per (batch, query head, query block).
     let qblocks = s.lq.div_ceil(BLOCK);
-    let dq_p = (
-        SendPtr(dq.data.as_mut_ptr()),
-        used_strides(s.d, dq.shape, dq.strides),
-    );
     run_tasks(opts.par, heads * qblocks, work, |t| {
         let (bh, qb) = (t / qblocks, t % qblocks);
         // SAFETY: the task writes the rows of query block `qb` of head `bh % Hq` of batch
@@ -363,6 +398,30 @@ impl Bwd<'_> {
             );
         }
         let row_base = (b * s.hq + h) * s.lq + i0;
+        if spec.softcap.is_none() {
+            // The common case, vectorised: the forward's own score rule, then 2^((x − lse)·log2 e).
+            for r in 0..m {
+                // SAFETY: `row_base + r` is a row of the dense `(B, Hq, Lq)` lse.
+                let l = unsafe { *self.lse.add(row_base + r) };
+                let dr = delta[row_base + r];
+                let (pr, dsr) = (&mut p[r * n..(r + 1) * n], &mut ds[r * n..(r + 1) * n]);
+                if l == f32::NEG_INFINITY {
+                    pr.fill(0.0);
+                    dsr.fill(0.0);
+                    continue;
+                }
+                // SAFETY: the spec's mask and bias rows are readable for keys `< j0 + n ≤ Lk`
+                // (validated views); the plan's ISA is supported.
+                unsafe { apply_scores(pl.isa, &spec, r, j0, pr) };
+                pr.iter_mut()
+                    .for_each(|x| *x = (*x - l) * core::f32::consts::LOG2_E);
+                exp2_slice(pl.isa, pr);
+                for (d, &pv) in dsr.iter_mut().zip(pr.iter()) {
+                    *d = pv * (*d - dr);
+                }
+            }
+            return;
+        }
         for r in 0..m {
             // SAFETY: `row_base + r` is a row of the dense `(B, Hq, Lq)` lse.
             let l = unsafe { *self.lse.add(row_base + r) };
@@ -387,10 +446,42 @@ impl Bwd<'_> {
         }
     }
 
-    /// dK and dV of key block `kb` of KV head `hk` of batch `b`.
+    /// All gradients of KV head `hk` of batch `b` in one pass over its tiles: dq rows of the
+    /// group's query heads zeroed, then accumulated key block by key block.
     ///
     /// # Safety
-    /// The caller owns those rows of `dk` and `dv`.
+    /// The caller owns those rows of `dq`, `dk` and `dv`.
+    unsafe fn one_pass(
+        &self,
+        b: usize,
+        hk: usize,
+        delta: &[f32],
+        (dq, dqs): (SendPtr, [usize; 3]),
+        dk: (SendPtr, [usize; 3]),
+        dv: (SendPtr, [usize; 3]),
+    ) -> Result<()> {
+        let s = &self.plan.shape;
+        let mut sc = Scratch::new(s.d, s.dv)?;
+        let group = s.hq / s.hkv;
+        for h in hk * group..(hk + 1) * group {
+            for i in 0..s.lq {
+                // SAFETY: row `i` of query head `h` of batch `b`, owned by the caller.
+                unsafe { core::ptr::write_bytes(dq.get().add(off(dqs, b, h, i)), 0, s.d) };
+            }
+        }
+        for kb in 0..s.lk.div_ceil(BLOCK) {
+            // SAFETY: forwarded; `kb` is a key block of this head.
+            unsafe { self.dk_dv(b, hk, kb, delta, dk, dv, Some((dq, dqs)), &mut sc)? };
+        }
+        Ok(())
+    }
+
+    /// dK and dV of key block `kb` of KV head `hk` of batch `b`, and with `dq`, each tile's
+    /// `scale·dS·K` added to the dq rows of its query block.
+    ///
+    /// # Safety
+    /// The caller owns those rows of `dk` and `dv` (and of `dq`: every row of the group's heads).
+    #[allow(clippy::too_many_arguments)]
     unsafe fn dk_dv(
         &self,
         b: usize,
@@ -399,13 +490,16 @@ impl Bwd<'_> {
         delta: &[f32],
         (dk, dks): (SendPtr, [usize; 3]),
         (dv, dvs): (SendPtr, [usize; 3]),
+        dq: Option<(SendPtr, [usize; 3])>,
+        sc: &mut Scratch,
     ) -> Result<()> {
         let pl = self.plan;
         let s = &pl.shape;
         let (j0, n) = block(kb, s.lk);
-        let mut sc = Scratch::new(s.d, s.dv)?;
         let (p, ds, acc_k, acc_v) = sc.parts();
         let (acc_k, acc_v) = (&mut acc_k[..n * s.d], &mut acc_v[..n * s.dv]);
+        acc_k.fill(0.0);
+        acc_v.fill(0.0);
         let group = s.hq / s.hkv;
         for h in hk * group..(hk + 1) * group {
             for qb in 0..s.lq.div_ceil(BLOCK) {
@@ -456,6 +550,27 @@ impl Bwd<'_> {
                         s.d as isize,
                         1,
                     );
+                    // dQ += scale·dS·K, straight into the caller's rows.
+                    if let Some((dq, dqs)) = dq {
+                        let k = pl.k.add(off(pl.ks, b, hk, j0));
+                        sgemm(
+                            self.backend,
+                            m,
+                            n,
+                            s.d,
+                            pl.scale,
+                            ds.as_ptr(),
+                            n as isize,
+                            1,
+                            k,
+                            pl.ks[2] as isize,
+                            1,
+                            1.0,
+                            dq.get().add(off(dqs, b, h, i0)),
+                            dqs[2] as isize,
+                            1,
+                        );
+                    }
                 }
             }
         }
