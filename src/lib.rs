@@ -12,6 +12,10 @@
 //! in that order (`Tensor::blhd(x, [B, L, H, D])`, `Tokens::lbe(x, [L, B, E])`); strided
 //! constructors and everything that reports a shape use the logical order, `(B, H, L, D)` for a
 //! [`Tensor`] and `(B, L, E)` for [`Tokens`].
+//!
+//! Optional features read other crates' tensors in place: `ndarray` (module `ndarray`:
+//! `Tensor::from_ndarray`, `ndarray::sdpa`) and `candle` (module `candle`: `candle::sdpa` on
+//! `candle_core::Tensor`s, and the `candle::Sdpa` custom op).
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -22,6 +26,9 @@ mod error;
 mod exec;
 mod gemm;
 mod heads;
+// The optional interop features; each module is re-exported below under its crate's name.
+#[cfg(any(feature = "candle", feature = "ndarray"))]
+mod interop;
 mod kv_cache;
 mod layers;
 mod merge;
@@ -38,6 +45,10 @@ mod view;
 pub use attnkit_kernels::{bf16, f16, Dtype, Elem, Isa, IsaError, Operand, Stored};
 pub use error::{AttnError, Result};
 pub use heads::{merge_heads, split_heads};
+#[cfg(feature = "candle")]
+pub use interop::candle;
+#[cfg(feature = "ndarray")]
+pub use interop::ndarray;
 pub use kv_cache::KvCache;
 pub use layers::{
     dot_product_attention, scaled_dot_product_attention, AdditiveAttention, AdditiveDims,
