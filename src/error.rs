@@ -170,6 +170,16 @@ pub enum AttnError {
         /// The shape given.
         got: Vec<usize>,
     },
+    /// A tensor of another crate (ndarray, candle) that attnkit cannot use in place: a negative
+    /// stride, a last axis that is not contiguous, memory holding elements outside the view, an
+    /// element type the kernels do not read, a device other than the CPU. The reason says
+    /// which, with the numbers, and how to get a tensor that can be used.
+    Unsupported {
+        /// The argument (`"q"`, `"view"`, …).
+        arg: &'static str,
+        /// What is wrong, and the usual fix.
+        reason: String,
+    },
     /// Reading or parsing a checkpoint failed (I/O error, malformed safetensors header…).
     Checkpoint {
         /// What was being read (a path, or `"<bytes>"`).
@@ -234,6 +244,7 @@ impl fmt::Display for AttnError {
             AttnError::InputShape { arg, expected, got } => {
                 write!(f, "`{arg}` has shape {got:?}, expected {expected:?}")
             }
+            AttnError::Unsupported { arg, reason } => write!(f, "`{arg}`: {reason}"),
             AttnError::Checkpoint { path, reason } => write!(f, "reading checkpoint {path}: {reason}"),
         }
     }

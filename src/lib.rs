@@ -39,11 +39,14 @@
 //! | layers | [`MultiheadAttention`] (`nn.MultiheadAttention`), [`SelfAttention`], [`AdditiveAttention`], [`Linear`], over [`Tokens`]; from a [`StateDict`] (PyTorch names) or freshly initialised ([`InitRng`]) |
 //! | decoding | [`KvCache`] (f32, bf16, f16, int8) and [`PagedKvCache`] (pages, `fork`, copy-on-write), each with `append` and `attend` |
 //! | composition | [`merge`] (results over disjoint key ranges, by logsumexp), [`split_heads`] / [`merge_heads`] |
+//! | training | [`sdpa_backward`] / [`sdpa_backward_vec`]: dQ, dK, dV from the forward's [`Saved`] output and logsumexp |
 //! | baselines | [`unfused`] (GEMM → softmax → GEMM), [`kernels`] (the raw-slice kernels and their f64 twins) |
 //!
 //! Features: `rayon` (default; threads), `safetensors` (default; checkpoint files), `blas` (the
-//! system OpenBLAS for the unfused baseline). Errors are [`AttnError`]s that name the argument
-//! and the sizes; a refused call changes nothing.
+//! system OpenBLAS for the unfused baseline), `ndarray` and `candle` (read those crates' tensors
+//! in place: `Tensor::from_ndarray` and `ndarray::sdpa`; `candle::sdpa` on
+//! `candle_core::Tensor`s and the `candle::Sdpa` custom op). Errors are [`AttnError`]s that name
+//! the argument and the sizes; a refused call changes nothing.
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -55,6 +58,9 @@ mod error;
 mod exec;
 mod gemm;
 mod heads;
+// The optional interop features; each module is re-exported below under its crate's name.
+#[cfg(any(feature = "candle", feature = "ndarray"))]
+mod interop;
 mod kv_cache;
 mod layers;
 mod merge;
@@ -72,6 +78,10 @@ pub use attnkit_kernels::{bf16, f16, Dtype, Elem, Isa, IsaError, Operand, Stored
 pub use backward::{sdpa_backward, sdpa_backward_vec, Gradients, Saved};
 pub use error::{AttnError, Result};
 pub use heads::{merge_heads, split_heads};
+#[cfg(feature = "candle")]
+pub use interop::candle;
+#[cfg(feature = "ndarray")]
+pub use interop::ndarray;
 pub use kv_cache::KvCache;
 pub use layers::{
     dot_product_attention, scaled_dot_product_attention, AdditiveAttention, AdditiveDims,
