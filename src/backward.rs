@@ -73,7 +73,7 @@ pub struct Gradients {
 /// # Errors
 /// As [`crate::sdpa`] for `q`, `k`, `v` and the options; [`AttnError::ShapeMismatch`] when
 /// `out`, `dout`, `dq`, `dk` or `dv` does not have its input's shape, [`AttnError::BufferLength`]
-/// for `lse`; overlapping rows of a gradient ([`AttnError::BadStride`]);
+/// for `lse`, [`AttnError::BadParam`] for an `lse` entry that is NaN or +inf; overlapping rows of a gradient ([`AttnError::BadStride`]);
 /// [`AttnError::Alloc`] when the per-task scratch cannot be allocated (the gradients are then
 /// unspecified).
 pub fn sdpa_backward(
@@ -115,6 +115,13 @@ pub fn sdpa_backward(
             arg: "lse",
             needed: rows,
             got: lse.len(),
+        });
+    }
+    // A fully masked row's lse is −inf (its gradients are zero); NaN or +inf is no forward's.
+    if lse.iter().any(|l| l.is_nan() || *l == f32::INFINITY) {
+        return Err(AttnError::BadParam {
+            arg: "lse",
+            reason: "must be finite, or -inf for a fully masked row",
         });
     }
     for (arg, g) in [("dq", &*dq), ("dk", &*dk), ("dv", &*dv)] {

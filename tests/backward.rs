@@ -331,7 +331,7 @@ fn backward_matches_the_f64_reference() {
     eprintln!("worst gradient error / tolerance: {worst:.3}");
 }
 
-/// dQ, dK, dV are bitwise the same on one thread and on pools of 2 and 3 (the tasks own their
+/// dQ, dK, dV are bitwise the same on one thread and on pools of 2, 3 and 8 (the tasks own their
 /// outputs and accumulate in a fixed order).
 #[test]
 fn backward_does_not_depend_on_the_thread_count() {
@@ -370,7 +370,7 @@ fn backward_does_not_depend_on_the_thread_count() {
     };
     let go = Tensor::bhld(&dout, dims.out());
     let seq = sdpa_backward_vec(&saved, &go, &opts.par(Par::Seq)).unwrap();
-    for threads in [1, 2, 3] {
+    for threads in [1, 2, 3, 8] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
@@ -416,6 +416,13 @@ fn backward_refusals_name_the_argument() {
             needed: b * h * l,
             got: b * h * l - 1
         })
+    );
+    let mut nan = lse.clone();
+    nan[3] = f32::NAN;
+    let r = sdpa_backward_vec(&Saved { lse: &nan, ..saved }, &t, &SdpaOptions::new());
+    assert!(
+        matches!(r, Err(AttnError::BadParam { arg: "lse", .. })),
+        "{r:?}"
     );
     // Gradient rows on top of each other.
     let (mut dq, mut dk, mut dv) = (x.clone(), x.clone(), x.clone());
@@ -504,5 +511,92 @@ fn one_pass_and_two_passes_agree_bitwise() {
         assert!(one.dq == sl(&whole.dq, hq * lq * d), "dq of batch {bi}");
         assert!(one.dk == sl(&whole.dk, hkv * lk * d), "dk of batch {bi}");
         assert!(one.dv == sl(&whole.dv, hkv * lk * dv), "dv of batch {bi}");
+    }
+}
+
+/// The f64 backward above is checked against central finite differences of the f64 reference
+/// forward itself, for the options no PyTorch golden covers (softcap, ALiBi, sinks, a window, a
+/// bias with −inf, key lengths), so the property test's yardstick is right. Steps of 2⁻⁷ are
+/// exact in f32; the O(h²) error of a central difference (≈ 1e-6 here) stays below 1e-4.
+#[test]
+fn reference_backward_matches_finite_differences() {
+    let dims = Dims {
+        b: 2,
+        hq: 4,
+        hkv: 2,
+        lq: 6,
+        lk: 9,
+        d: 5,
+        dv: 3,
+    };
+    let mut rng = SmallRng::seed_from_u64(99);
+    let q = randn(&mut rng, dims.q().iter().product(), 1.0);
+    let k = randn(&mut rng, dims.k().iter().product(), 1.0);
+    let v = randn(&mut rng, dims.v().iter().product(), 1.0);
+    let dout = randn(&mut rng, dims.out().iter().product(), 1.0);
+    let ms = [dims.b, 1, dims.lq, dims.lk];
+    let bias: Vec<f32> = (0..ms.iter().product::<usize>())
+        .map(|i| {
+            if i % 11 == 4 {
+                f32::NEG_INFINITY
+            } else {
+                (i % 7) as f32 * 0.3 - 1.0
+            }
+        })
+        .collect();
+    let slopes = alibi_slopes(dims.hq, 8.0);
+    let sinks = [0.5f32, -1.0, f32::NEG_INFINITY, 2.0];
+    let lens = [9usize, 6];
+    let problem = |q: &[f32], k: &[f32], v: &[f32]| {
+        let p = Problem {
+            dims,
+            q,
+            k,
+            v,
+            scale: 0.7,
+            causal: Some(Causal::BottomRight),
+            window: Some(5),
+            mask: RefMask::Bias(&bias, ms),
+            key_lengths: Some(&lens),
+            alibi: Some(&slopes),
+            softcap: Some(3.0),
+            sinks: Some(&sinks),
+        };
+        let r = reference(&p);
+        let loss: f64 = r.out.iter().zip(&dout).map(|(o, g)| o * *g as f64).sum();
+        (p.clone_grads(&r, &dout), loss)
+    };
+    let ([dq, dk, dv], _) = problem(&q, &k, &v);
+    let h = 1.0 / 128.0;
+    let mut worst = 0.0f64;
+    for (which, grad) in [(0, &dq), (1, &dk), (2, &dv)] {
+        let n = grad.len();
+        for idx in (0..n).step_by(n / 12 + 1) {
+            let mut xs = [q.clone(), k.clone(), v.clone()];
+            xs[which][idx] += h;
+            let (_, up) = problem(&xs[0], &xs[1], &xs[2]);
+            xs[which][idx] -= 2.0 * h;
+            let (_, down) = problem(&xs[0], &xs[1], &xs[2]);
+            let fd = (up - down) / (2.0 * h as f64);
+            let err = (fd - grad[idx]).abs();
+            worst = worst.max(err / (1.0 + grad[idx].abs()));
+            assert!(
+                err <= 1e-4 * (1.0 + grad[idx].abs()),
+                "input {which}[{idx}]: finite difference {fd} vs {}",
+                grad[idx]
+            );
+        }
+    }
+    eprintln!("worst finite-difference gap: {worst:e}");
+}
+
+trait Grads {
+    fn clone_grads(&self, r: &common::RefOut, dout: &[f32]) -> [Vec<f64>; 3];
+}
+
+impl Grads for Problem<'_> {
+    fn clone_grads(&self, r: &common::RefOut, dout: &[f32]) -> [Vec<f64>; 3] {
+        let [g, _] = reference_backward(self, &r.w, &r.out, dout);
+        g
     }
 }
