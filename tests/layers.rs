@@ -1454,3 +1454,138 @@ fn mha_reads_kdim_and_vdim_from_the_checkpoint() {
         "{wrong:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Training: layer gradients (#17) against PyTorch autograd in f64.
+
+/// `nn.MultiheadAttention(64, 4)` with causal masking, a key padding mask and an explicit
+/// attention mask: output, the input's gradient and every parameter's, within 1e-5 (abs + rel)
+/// of the f64 golden (PyTorch's own f32: within 2.9e-6), on every ISA.
+#[test]
+fn mha_backward_matches_pytorch() {
+    let case = "mha_backward";
+    let (b, l, e, h) = (2, 20, 64, 4);
+    let sd = golden_sd(
+        case,
+        &[
+            ("in_proj_weight", "in_proj_weight", &[3 * e, e]),
+            ("in_proj_bias", "in_proj_bias", &[3 * e]),
+            ("out_proj.weight", "out_proj.weight", &[e, e]),
+            ("out_proj.bias", "out_proj.bias", &[e]),
+        ],
+    );
+    let mha = MultiheadAttention::from_state_dict(MhaConfig::new(e, h), &sd, "").unwrap();
+    let x = f32s(case, "x", b * l * e);
+    let dy = f32s(case, "dy", b * l * e);
+    let padded = bools(case, "key_padding_mask", b * l); // true = padded
+    let masked: Vec<bool> = bools(case, "attn_mask", l * l).iter().map(|a| !a).collect();
+    for isa in isas() {
+        let opts = MhaOptions::new()
+            .isa(isa)
+            .causal(Causal::TopLeft)
+            .key_padding_mask(KeyPadding::bool(&padded, [b, l]))
+            .attn_mask(MhaMask::bool_2d(&masked, l, l));
+        let xt = Tokens::ble(&x, [b, l, e]);
+        let (y, tape) = mha.forward_train(&xt, &xt, &xt, &opts).unwrap();
+        check(&format!("{isa} out"), &y.out, &f64s(case, "out", b * l * e));
+        let g = mha.backward(&tape, &dy, &opts).unwrap();
+        check(
+            &format!("{isa} x.grad"),
+            &g.input(),
+            &f64s(case, "x.grad", b * l * e),
+        );
+        for (name, n) in [
+            ("in_proj_weight", 3 * e * e),
+            ("in_proj_bias", 3 * e),
+            ("out_proj.weight", e * e),
+            ("out_proj.bias", e),
+        ] {
+            let (_, got) = g.params.tensor(name).unwrap();
+            check(
+                &format!("{isa} {name}"),
+                &got,
+                &f64s(case, &format!("{name}.grad"), n),
+            );
+        }
+        assert_eq!(g.params.len(), 4, "one gradient per parameter");
+    }
+}
+
+/// The course's single-head `SelfAttention(64)` (query/key/value `nn.Linear` with biases):
+/// output, `x.grad` and the six parameter gradients, within 1e-5 of the f64 golden.
+#[test]
+fn self_attention_backward_matches_pytorch() {
+    let case = "self_attention_backward";
+    let (b, l, e) = (2, 8, 64);
+    let mut items = Vec::new();
+    let names: Vec<(String, Vec<usize>)> = ["query", "key", "value"]
+        .iter()
+        .flat_map(|m| {
+            [
+                (format!("{m}.weight"), vec![e, e]),
+                (format!("{m}.bias"), vec![e]),
+            ]
+        })
+        .collect();
+    for (n, s) in &names {
+        items.push((n.as_str(), n.as_str(), s.as_slice()));
+    }
+    let sd = golden_sd(case, &items);
+    let layer = SelfAttention::from_state_dict(&sd, "").unwrap();
+    let x = f32s(case, "x", b * l * e);
+    let dy = f32s(case, "dy", b * l * e);
+    for isa in isas() {
+        let opts = MhaOptions::new().isa(isa);
+        let (y, tape) = layer
+            .forward_train(&Tokens::ble(&x, [b, l, e]), &opts)
+            .unwrap();
+        check(&format!("{isa} out"), &y.out, &f64s(case, "out", b * l * e));
+        let g = layer.backward(&tape, &dy, &opts).unwrap();
+        check(
+            &format!("{isa} x.grad"),
+            &g.input(),
+            &f64s(case, "x.grad", b * l * e),
+        );
+        for (name, s) in &names {
+            let (shape, got) = g.params.tensor(name).unwrap();
+            assert_eq!(&shape, s, "{name}");
+            let n = s.iter().product();
+            check(
+                &format!("{isa} {name}"),
+                &got,
+                &f64s(case, &format!("{name}.grad"), n),
+            );
+        }
+    }
+}
+
+/// Sequence-first inputs give the batch-first gradients, transposed the same way.
+#[test]
+fn layer_backward_follows_the_input_memory_order() {
+    use attnkit::InitRng;
+    let (b, l, e, h) = (3, 7, 32, 4);
+    let mha = MultiheadAttention::new(MhaConfig::new(e, h), &mut InitRng::seed(11)).unwrap();
+    let mut rng = SmallRng::seed_from_u64(5);
+    let x = randn(&mut rng, b * l * e, 1.0);
+    let dy = randn(&mut rng, b * l * e, 1.0);
+    let opts = MhaOptions::new().causal(Causal::TopLeft);
+    let xt = Tokens::ble(&x, [b, l, e]);
+    let (_, tape) = mha.forward_train(&xt, &xt, &xt, &opts).unwrap();
+    let g = mha.backward(&tape, &dy, &opts).unwrap();
+    let t = |x: &[f32]| -> Vec<f32> {
+        let mut y = vec![0.0; x.len()];
+        for bi in 0..b {
+            for li in 0..l {
+                y[(li * b + bi) * e..][..e].copy_from_slice(&x[(bi * l + li) * e..][..e]);
+            }
+        }
+        y
+    };
+    let (xs, dys) = (t(&x), t(&dy));
+    let xst = Tokens::lbe(&xs, [l, b, e]);
+    let (ys, tape_s) = mha.forward_train(&xst, &xst, &xst, &opts).unwrap();
+    assert_eq!(ys.shape, [l, b, e]);
+    let gs = mha.backward(&tape_s, &dys, &opts).unwrap();
+    assert_eq!(gs.input(), t(&g.input()));
+    assert_eq!(gs.params, g.params);
+}

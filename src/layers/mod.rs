@@ -26,7 +26,8 @@ pub use functional::{dot_product_attention, scaled_dot_product_attention};
 pub use init::InitRng;
 pub use linear::Linear;
 pub use mha::{
-    Fusion, KeyPadding, LayerOutput, MhaConfig, MhaMask, MhaOptions, MultiheadAttention, Weights,
+    Fusion, KeyPadding, LayerGrads, LayerOutput, MhaConfig, MhaMask, MhaOptions,
+    MultiheadAttention, Tape, Weights,
 };
 pub use self_attention::SelfAttention;
 pub use state_dict::StateDict;

@@ -2,7 +2,7 @@
 //! projection. Self-attention and cross-attention are the same layer fed differently.
 
 use super::linear::Linear;
-use super::mha::{Core, LayerOutput, MhaOptions};
+use super::mha::{Core, LayerGrads, LayerOutput, MhaOptions, Tape};
 use super::state_dict::{join, StateDict};
 use super::Tokens;
 use crate::alloc::try_zeros;
@@ -165,6 +165,38 @@ impl SelfAttention {
     /// As [`crate::MultiheadAttention::forward`].
     pub fn forward(&self, x: &Tokens, opts: &MhaOptions) -> Result<LayerOutput> {
         self.core.forward(x, x, x, opts)
+    }
+
+    /// [`SelfAttention::forward`] for training: also returns the [`Tape`] that
+    /// [`SelfAttention::backward`] needs.
+    ///
+    /// # Errors
+    /// As `forward`.
+    pub fn forward_train(&self, x: &Tokens, opts: &MhaOptions) -> Result<(LayerOutput, Tape)> {
+        self.core.forward_train(x, x, x, opts)
+    }
+
+    /// The gradients of the input and of every parameter, given `dy`, the gradient of the
+    /// output of the `forward_train` that made `tape` (dense, in the output's memory order);
+    /// `opts` must be that call's. [`LayerGrads::input`] is the gradient of `x`; the parameter
+    /// gradients are named as [`SelfAttention::state_dict`] names the parameters
+    /// (`query.weight`, `query.bias`, …).
+    ///
+    /// # Errors
+    /// [`AttnError::BufferLength`] for a `dy` of the wrong length; the mask errors of `forward`.
+    pub fn backward(&self, tape: &Tape, dy: &[f32], opts: &MhaOptions) -> Result<LayerGrads> {
+        let (core, [dquery, dkey, dvalue]) = self.core.backward(tape, dy, opts)?;
+        let params = SelfAttention {
+            core,
+            has_bias: self.has_bias,
+        }
+        .state_dict("");
+        Ok(LayerGrads {
+            dquery,
+            dkey,
+            dvalue,
+            params,
+        })
     }
 
     /// Cross-attention: queries from `queries` `(B, Lq, Eq)`, keys and values from `memory`

@@ -5,10 +5,12 @@ mod config;
 mod core;
 mod masks;
 mod options;
+mod train;
 
 pub(crate) use self::core::Core;
 pub use config::MhaConfig;
 pub use options::{Fusion, KeyPadding, LayerOutput, MhaMask, MhaOptions, Weights};
+pub use train::{LayerGrads, Tape};
 
 use super::init::{linear_bound, xavier_bound, InitRng};
 use super::linear::Linear;
@@ -274,6 +276,43 @@ impl MultiheadAttention {
     ) -> Result<()> {
         self.core
             .forward_into(query, key, value, out, attn_weights, opts)
+    }
+
+    /// [`MultiheadAttention::forward`] for training: also returns the [`Tape`] that
+    /// [`MultiheadAttention::backward`] needs. Always the fused kernel; no attention weights.
+    ///
+    /// # Errors
+    /// As `forward`.
+    pub fn forward_train(
+        &self,
+        query: &Tokens,
+        key: &Tokens,
+        value: &Tokens,
+        opts: &MhaOptions,
+    ) -> Result<(LayerOutput, Tape)> {
+        self.core.forward_train(query, key, value, opts)
+    }
+
+    /// The gradients of every input and parameter, given `dy`, the gradient of the output of the
+    /// `forward_train` that made `tape` (dense, in the output's memory order); `opts` must be
+    /// that call's. Parameter gradients are named as [`MultiheadAttention::state_dict`] names the
+    /// parameters (`in_proj_weight`, `in_proj_bias`, `out_proj.weight`, …).
+    ///
+    /// # Errors
+    /// [`AttnError::BufferLength`] for a `dy` of the wrong length; the mask errors of `forward`.
+    pub fn backward(&self, tape: &Tape, dy: &[f32], opts: &MhaOptions) -> Result<LayerGrads> {
+        let (core, [dquery, dkey, dvalue]) = self.core.backward(tape, dy, opts)?;
+        let params = MultiheadAttention {
+            cfg: self.cfg,
+            core,
+        }
+        .state_dict("");
+        Ok(LayerGrads {
+            dquery,
+            dkey,
+            dvalue,
+            params,
+        })
     }
 
     /// The configuration.
