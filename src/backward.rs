@@ -53,6 +53,9 @@ pub struct Saved<'a> {
 /// The gradients [`sdpa_backward_vec`] returns, dense `(B, H, L, ·)`.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Gradients {
+    /// Of the sink logits, one per query head, when the options have sinks
+    /// ([`sinks_gradient`]).
+    pub dsinks: Option<Vec<f32>>,
     /// `(B, Hq, Lq, D)`.
     pub dq: Vec<f32>,
     /// `(B, Hkv, Lk, D)`, summed over each KV head's query heads.
@@ -67,7 +70,8 @@ pub struct Gradients {
 /// lengths, bool mask, bias, ALiBi, softcap and sinks all enter the recomputed scores (the
 /// softcap through its derivative). GQA: dK and dV of a KV head are summed over its query heads.
 ///
-/// Not (yet) computed: the gradient of the float mask (a learned bias) and of the sink logits.
+/// The sink logits' gradient is [`sinks_gradient`]; the float mask's (a learned bias) is not
+/// computed yet.
 /// Inputs are f32; the element-type variants follow the forward's.
 ///
 /// # Errors
@@ -246,6 +250,7 @@ pub fn sdpa_backward(
 pub fn sdpa_backward_vec(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Gradients> {
     let (q, k, v) = (saved.q.shape, saved.k.shape, saved.v.shape);
     let mut g = Gradients {
+        dsinks: None,
         dq: try_zeros("dq", checked_len("dq", &q)?)?,
         dk: try_zeros("dk", checked_len("dk", &k)?)?,
         dv: try_zeros("dv", checked_len("dv", &v)?)?,
@@ -258,7 +263,78 @@ pub fn sdpa_backward_vec(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Re
         &mut TensorMut::bhld(&mut g.dv, v),
         opts,
     )?;
+    if opts.sinks.is_some() {
+        g.dsinks = Some(sinks_gradient(saved, dout, opts)?);
+    }
     Ok(g)
+}
+
+/// The gradient of the attention-sink logits ([`SdpaOptions::sinks`]), one per query head: a
+/// sink only enlarges its rows' softmax denominators, so
+/// `∂L/∂sink_h = −Σ_{b,i} exp(sink_h − lse_{b,h,i}) · rowsum(dO ∘ O)_{b,h,i}` over the rows with
+/// a finite logsumexp, summed in a fixed order. A head whose sink is `-inf` gets 0.
+///
+/// # Errors
+/// As [`sdpa_backward`] (no gradient buffers); [`AttnError::BadParam`] if `opts` has no sinks.
+pub fn sinks_gradient(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
+    let Some(sinks) = opts.sinks else {
+        return Err(AttnError::BadParam {
+            arg: "sinks",
+            reason: "the options have no sinks",
+        });
+    };
+    let Saved { q, k, v, out, lse } = saved;
+    let plan = Plan::<f32, f32, f32>::validate(q, k, v, out.shape, opts, &mut Extras::default())?;
+    let s = plan.shape;
+    let o_shape = [s.b, s.hq, s.lq, s.dv];
+    for (arg, t) in [("out", out), ("dout", dout)] {
+        if t.shape != o_shape {
+            let i = (0..4).find(|&i| t.shape[i] != o_shape[i]).unwrap_or(0);
+            return Err(AttnError::ShapeMismatch {
+                arg,
+                dim: ["B", "H", "L", "D"][i],
+                expected: o_shape[i],
+                got: t.shape[i],
+            });
+        }
+        check_len(arg, t.data.len(), t.shape, t.strides)?;
+    }
+    let rows = checked_len("lse", &[s.b, s.hq, s.lq])?;
+    if lse.len() != rows {
+        return Err(AttnError::BufferLength {
+            arg: "lse",
+            needed: rows,
+            got: lse.len(),
+        });
+    }
+    let (os, gs) = (
+        used_strides(s.dv, out.shape, out.strides),
+        used_strides(s.dv, dout.shape, dout.strides),
+    );
+    let mut grad = vec![0.0f32; s.hq];
+    for (h, g) in grad.iter_mut().enumerate() {
+        let sink = sinks[h];
+        if sink == f32::NEG_INFINITY {
+            continue;
+        }
+        let mut acc = 0.0f64;
+        for b in 0..s.b {
+            for i in 0..s.lq {
+                let l = lse[(b * s.hq + h) * s.lq + i];
+                if !l.is_finite() {
+                    continue;
+                }
+                let (o, d) = (
+                    &out.data[off(os, b, h, i)..],
+                    &dout.data[off(gs, b, h, i)..],
+                );
+                let delta: f32 = (0..s.dv).map(|c| o[c] * d[c]).sum();
+                acc += f64::from((sink - l).exp() * delta);
+            }
+        }
+        *g = -acc as f32;
+    }
+    Ok(grad)
 }
 
 /// A task's scratch: the probabilities and dP/dS tiles (`BLOCK²` each) and the accumulators

@@ -600,3 +600,93 @@ impl Grads for Problem<'_> {
         g
     }
 }
+
+/// `sinks_gradient` (and `Gradients::dsinks`) equals central finite differences of the f64
+/// reference forward with respect to each head's sink logit; a `-inf` sink gets 0.
+#[test]
+fn sinks_gradient_matches_finite_differences() {
+    use attnkit::sinks_gradient;
+    let dims = Dims {
+        b: 2,
+        hq: 4,
+        hkv: 2,
+        lq: 9,
+        lk: 70,
+        d: 8,
+        dv: 6,
+    };
+    let mut rng = SmallRng::seed_from_u64(4);
+    let q = randn(&mut rng, dims.q().iter().product(), 1.0);
+    let k = randn(&mut rng, dims.k().iter().product(), 1.0);
+    let v = randn(&mut rng, dims.v().iter().product(), 1.0);
+    let dout = randn(&mut rng, dims.out().iter().product(), 1.0);
+    let sinks = [0.5f32, -1.0, f32::NEG_INFINITY, 2.0];
+    let lens = [70usize, 0];
+    let loss = |sinks: &[f32]| {
+        let p = Problem {
+            dims,
+            q: &q,
+            k: &k,
+            v: &v,
+            scale: 1.0 / (dims.d as f64).sqrt(),
+            causal: Some(Causal::BottomRight),
+            window: None,
+            mask: RefMask::None,
+            key_lengths: Some(&lens),
+            alibi: None,
+            softcap: None,
+            sinks: Some(sinks),
+        };
+        let r = reference(&p);
+        r.out
+            .iter()
+            .zip(&dout)
+            .map(|(o, g)| o * *g as f64)
+            .sum::<f64>()
+    };
+    let opts = SdpaOptions::new()
+        .causal(Causal::BottomRight)
+        .key_lengths(&lens)
+        .sinks(&sinks);
+    let (qt, kt, vt) = (
+        Tensor::bhld(&q, dims.q()),
+        Tensor::bhld(&k, dims.k()),
+        Tensor::bhld(&v, dims.v()),
+    );
+    let want_lse = Returns {
+        lse: true,
+        weights: false,
+    };
+    let fwd = sdpa_ext_vec(&qt, &kt, &vt, &opts, want_lse).unwrap();
+    let lse = fwd.lse.unwrap();
+    let saved = Saved {
+        q: qt,
+        k: kt,
+        v: vt,
+        out: Tensor::bhld(&fwd.out, dims.out()),
+        lse: &lse,
+    };
+    let go = Tensor::bhld(&dout, dims.out());
+    let got = sinks_gradient(&saved, &go, &opts).unwrap();
+    assert_eq!(
+        sdpa_backward_vec(&saved, &go, &opts).unwrap().dsinks,
+        Some(got.clone())
+    );
+    let h = 1.0 / 128.0;
+    for head in 0..dims.hq {
+        if sinks[head] == f32::NEG_INFINITY {
+            assert_eq!(got[head], 0.0);
+            continue;
+        }
+        let (mut up, mut down) = (sinks, sinks);
+        up[head] += h;
+        down[head] -= h;
+        let fd = (loss(&up) - loss(&down)) / (2.0 * h as f64);
+        assert!(
+            (got[head] as f64 - fd).abs() <= 1e-4 * (1.0 + fd.abs()),
+            "head {head}: {} vs finite difference {fd}",
+            got[head]
+        );
+    }
+    assert!(got.iter().any(|&g| g.abs() > 1e-3), "{got:?}");
+}
