@@ -70,8 +70,8 @@ pub struct Gradients {
 /// lengths, bool mask, bias, ALiBi, softcap and sinks all enter the recomputed scores (the
 /// softcap through its derivative). GQA: dK and dV of a KV head are summed over its query heads.
 ///
-/// The sink logits' gradient is [`sinks_gradient`]; the float mask's (a learned bias) is not
-/// computed yet.
+/// The sink logits' gradient is [`sinks_gradient`], the float mask's (a learned bias)
+/// [`bias_gradient`].
 /// Inputs are f32; the element-type variants follow the forward's.
 ///
 /// # Errors
@@ -88,89 +88,24 @@ pub fn sdpa_backward(
     dv: &mut TensorMut,
     opts: &SdpaOptions,
 ) -> Result<()> {
-    let Saved { q, k, v, out, lse } = saved;
-    let plan = Plan::<f32, f32, f32>::validate(q, k, v, out.shape, opts, &mut Extras::default())?;
+    let plan = validate_saved(saved, dout, opts)?;
     let s = plan.shape;
-    let same = |arg: &'static str, want: [usize; 4], got: [usize; 4]| -> Result<()> {
-        const DIMS: [&str; 4] = ["B", "H", "L", "D"];
-        for i in 0..4 {
-            if want[i] != got[i] {
-                return Err(AttnError::ShapeMismatch {
-                    arg,
-                    dim: DIMS[i],
-                    expected: want[i],
-                    got: got[i],
-                });
-            }
-        }
-        Ok(())
-    };
-    let o_shape = [s.b, s.hq, s.lq, s.dv];
-    same("out", o_shape, out.shape)?;
-    same("dout", o_shape, dout.shape)?;
-    same("dq", q.shape, dq.shape)?;
-    same("dk", k.shape, dk.shape)?;
-    same("dv", v.shape, dv.shape)?;
-    check_len("out", out.data.len(), out.shape, out.strides)?;
-    check_len("dout", dout.data.len(), dout.shape, dout.strides)?;
-    let rows = checked_len("lse", &[s.b, s.hq, s.lq])?;
-    if lse.len() != rows {
-        return Err(AttnError::BufferLength {
-            arg: "lse",
-            needed: rows,
-            got: lse.len(),
-        });
-    }
-    // A fully masked row's lse is −inf (its gradients are zero); NaN or +inf is no forward's.
-    if lse.iter().any(|l| l.is_nan() || *l == f32::INFINITY) {
-        return Err(AttnError::BadParam {
-            arg: "lse",
-            reason: "must be finite, or -inf for a fully masked row",
-        });
-    }
+    let Saved { q, k, v, .. } = saved;
+    same_shape("dq", q.shape, dq.shape)?;
+    same_shape("dk", k.shape, dk.shape)?;
+    same_shape("dv", v.shape, dv.shape)?;
     for (arg, g) in [("dq", &*dq), ("dk", &*dk), ("dv", &*dv)] {
         check_len(arg, g.data.len(), g.shape, g.strides)?;
         check_disjoint(arg, g.shape, g.strides)?;
     }
-    // K and V of a batch of one are shared by every query batch: their gradients would then
-    // sum over batches, which the per-batch tasks below do not do.
-    if s.b > 1 && (plan.ks[0] == 0 || plan.vs[0] == 0) && s.lk > 0 {
-        return Err(AttnError::BadParam {
-            arg: "k",
-            reason: "the backward pass needs K and V per batch (no batch broadcast)",
-        });
-    }
-    // One task's scratch, tried before anything is written.
-    let scratch = Scratch::len(s.d, s.dv);
-    drop(try_zeros::<f32>("scratch", scratch)?);
-
-    let b = Bwd {
-        plan: &plan,
-        o: (
-            out.data.as_ptr(),
-            used_strides(s.dv, out.shape, out.strides),
-        ),
-        d_o: (
-            dout.data.as_ptr(),
-            used_strides(s.dv, dout.shape, dout.strides),
-        ),
-        lse: lse.as_ptr(),
-        backend: Backend::MatrixMultiply,
-    };
+    let b = Bwd::new(&plan, saved, dout)?;
     let failed = Mutex::new(None);
     let fail = |e: AttnError| {
         let mut f = failed.lock().unwrap_or_else(|p| p.into_inner());
         f.get_or_insert(e);
     };
-
-    // D = rowsum(dO ∘ O), once per row.
-    let mut delta = try_zeros::<f32>("delta", rows)?;
-    let dp = SendPtr(delta.as_mut_ptr());
+    let delta = b.deltas(opts.par)?;
     let heads = s.b * s.hq;
-    run_tasks(opts.par, heads, rows.saturating_mul(s.dv), |t| {
-        // SAFETY: task `t` writes rows `t·Lq..(t+1)·Lq` of `delta` only.
-        unsafe { b.delta(t / s.hq, t % s.hq, dp.get().add(t * s.lq)) };
-    });
 
     let kblocks = s.lk.div_ceil(BLOCK);
     let dq_p = (
@@ -243,6 +178,102 @@ pub fn sdpa_backward(
     }
 }
 
+/// `got` must be `want`, else the first differing dimension is named.
+fn same_shape(arg: &'static str, want: [usize; 4], got: [usize; 4]) -> Result<()> {
+    const DIMS: [&str; 4] = ["B", "H", "L", "D"];
+    match (0..4).find(|&i| want[i] != got[i]) {
+        Some(i) => Err(AttnError::ShapeMismatch {
+            arg,
+            dim: DIMS[i],
+            expected: want[i],
+            got: got[i],
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Validates what every backward entry point reads: the forward's inputs and options, `out`,
+/// `dout` and `lse`.
+fn validate_saved(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Plan> {
+    let Saved { q, k, v, out, lse } = saved;
+    let plan = Plan::<f32, f32, f32>::validate(q, k, v, out.shape, opts, &mut Extras::default())?;
+    let s = plan.shape;
+    let o_shape = [s.b, s.hq, s.lq, s.dv];
+    same_shape("out", o_shape, out.shape)?;
+    same_shape("dout", o_shape, dout.shape)?;
+    check_len("out", out.data.len(), out.shape, out.strides)?;
+    check_len("dout", dout.data.len(), dout.shape, dout.strides)?;
+    let rows = checked_len("lse", &[s.b, s.hq, s.lq])?;
+    if lse.len() != rows {
+        return Err(AttnError::BufferLength {
+            arg: "lse",
+            needed: rows,
+            got: lse.len(),
+        });
+    }
+    // A fully masked row's lse is −inf (its gradients are zero); NaN or +inf is no forward's.
+    if lse.iter().any(|l| l.is_nan() || *l == f32::INFINITY) {
+        return Err(AttnError::BadParam {
+            arg: "lse",
+            reason: "must be finite, or -inf for a fully masked row",
+        });
+    }
+    // K and V of a batch of one are shared by every query batch: their gradients would then
+    // sum over batches, which the per-batch tasks do not do.
+    if s.b > 1 && (plan.ks[0] == 0 || plan.vs[0] == 0) && s.lk > 0 {
+        return Err(AttnError::BadParam {
+            arg: "k",
+            reason: "the backward pass needs K and V per batch (no batch broadcast)",
+        });
+    }
+    Ok(plan)
+}
+
+/// The gradient of the additive mask ([`SdpaOptions::bias`], a learned bias such as T5's
+/// relative positions), dense in the bias's own broadcast shape `(mb, mh, mq, Lk)`: `dS` before
+/// the scale (the bias is added after it, and after the softcap), summed over the dimensions the
+/// bias broadcasts over, in a fixed order (bitwise independent of the thread count). Masked and
+/// padded keys get 0. It recomputes the score tiles, so it costs about a forward pass.
+///
+/// # Errors
+/// As [`sdpa_backward`] (no gradient buffers); [`AttnError::BadParam`] if `opts` has no bias.
+pub fn bias_gradient(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
+    let Some(bias) = opts.bias else {
+        return Err(AttnError::BadParam {
+            arg: "bias",
+            reason: "the options have no bias",
+        });
+    };
+    let plan = validate_saved(saved, dout, opts)?;
+    let s = plan.shape;
+    let [mb, mh, mq, _] = bias.shape;
+    let mut grad = try_zeros::<f32>("dbias", checked_len("dbias", &bias.shape)?)?;
+    let b = Bwd::new(&plan, saved, dout)?;
+    let delta = b.deltas(opts.par)?;
+    let qblocks = s.lq.div_ceil(BLOCK);
+    // One task per (bias batch, bias head, query block) — all query blocks when the bias has
+    // one row — owning those rows of the gradient.
+    let per = if mq == 1 { 1 } else { qblocks };
+    let gp = SendPtr(grad.as_mut_ptr());
+    let failed = Mutex::new(None);
+    run_tasks(opts.par, mb * mh * per, plan.work(), |t| {
+        let (ib, ih, qb) = (t / (mh * per), t / per % mh, t % per);
+        // SAFETY: the task writes rows of bias batch `ib`, head `ih`, query block `qb` (or the
+        // single row) of `grad`, which no other task writes.
+        let r = unsafe { b.dbias(ib, ih, qb, [mb, mh, mq], &delta, gp) };
+        if let Err(e) = r {
+            failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(e);
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(grad),
+    }
+}
+
 /// [`sdpa_backward`] returning new dense gradients.
 ///
 /// # Errors
@@ -283,30 +314,9 @@ pub fn sinks_gradient(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Resul
             reason: "the options have no sinks",
         });
     };
-    let Saved { q, k, v, out, lse } = saved;
-    let plan = Plan::<f32, f32, f32>::validate(q, k, v, out.shape, opts, &mut Extras::default())?;
+    let plan = validate_saved(saved, dout, opts)?;
     let s = plan.shape;
-    let o_shape = [s.b, s.hq, s.lq, s.dv];
-    for (arg, t) in [("out", out), ("dout", dout)] {
-        if t.shape != o_shape {
-            let i = (0..4).find(|&i| t.shape[i] != o_shape[i]).unwrap_or(0);
-            return Err(AttnError::ShapeMismatch {
-                arg,
-                dim: ["B", "H", "L", "D"][i],
-                expected: o_shape[i],
-                got: t.shape[i],
-            });
-        }
-        check_len(arg, t.data.len(), t.shape, t.strides)?;
-    }
-    let rows = checked_len("lse", &[s.b, s.hq, s.lq])?;
-    if lse.len() != rows {
-        return Err(AttnError::BufferLength {
-            arg: "lse",
-            needed: rows,
-            got: lse.len(),
-        });
-    }
+    let Saved { out, lse, .. } = saved;
     let (os, gs) = (
         used_strides(s.dv, out.shape, out.strides),
         used_strides(s.dv, dout.shape, dout.strides),
@@ -385,7 +395,96 @@ fn block(blk: usize, len: usize) -> (usize, usize) {
     (r0, BLOCK.min(len - r0))
 }
 
-impl Bwd<'_> {
+impl<'p> Bwd<'p> {
+    /// The shared state of a validated call (one task's scratch tried first).
+    fn new(plan: &'p Plan, saved: &Saved, dout: &Tensor) -> Result<Self> {
+        let s = plan.shape;
+        drop(try_zeros::<f32>("scratch", Scratch::len(s.d, s.dv))?);
+        let out = &saved.out;
+        Ok(Bwd {
+            plan,
+            o: (
+                out.data.as_ptr(),
+                used_strides(s.dv, out.shape, out.strides),
+            ),
+            d_o: (
+                dout.data.as_ptr(),
+                used_strides(s.dv, dout.shape, dout.strides),
+            ),
+            lse: saved.lse.as_ptr(),
+            backend: Backend::MatrixMultiply,
+        })
+    }
+
+    /// `D = rowsum(dO ∘ O)` of every row, dense `(B, Hq, Lq)`.
+    fn deltas(&self, par: crate::options::Par) -> Result<Vec<f32>> {
+        let s = self.plan.shape;
+        let rows = checked_len("lse", &[s.b, s.hq, s.lq])?;
+        let mut delta = try_zeros::<f32>("delta", rows)?;
+        let dp = SendPtr(delta.as_mut_ptr());
+        run_tasks(par, s.b * s.hq, rows.saturating_mul(s.dv), |t| {
+            // SAFETY: task `t` writes rows `t·Lq..(t+1)·Lq` of `delta` only.
+            unsafe { self.delta(t / s.hq, t % s.hq, dp.get().add(t * s.lq)) };
+        });
+        Ok(delta)
+    }
+
+    /// The bias gradient rows of bias batch `ib`, head `ih` and query block `qb` (all query
+    /// rows summed when the bias has one row, `bs[2] == 1`), into dense `grad` of shape
+    /// `(bs[0], bs[1], bs[2], Lk)`.
+    ///
+    /// # Safety
+    /// The caller owns those rows of `grad`.
+    unsafe fn dbias(
+        &self,
+        ib: usize,
+        ih: usize,
+        qb: usize,
+        bs: [usize; 3],
+        delta: &[f32],
+        grad: SendPtr,
+    ) -> Result<()> {
+        let pl = self.plan;
+        let s = &pl.shape;
+        let mut sc = Scratch::new(s.d, s.dv)?;
+        let (p, ds, _, _) = sc.parts();
+        let batches = if bs[0] == 1 { 0..s.b } else { ib..ib + 1 };
+        let heads = if bs[1] == 1 { 0..s.hq } else { ih..ih + 1 };
+        let qblocks = if bs[2] == 1 {
+            0..s.lq.div_ceil(BLOCK)
+        } else {
+            qb..qb + 1
+        };
+        let group = s.hq / s.hkv.max(1);
+        for b in batches {
+            for h in heads.clone() {
+                for qb in qblocks.clone() {
+                    let (i0, m) = block(qb, s.lq);
+                    let spec = pl.spec(b, h, i0);
+                    for kb in 0..s.lk.div_ceil(BLOCK) {
+                        let (j0, n) = block(kb, s.lk);
+                        if !self.touches(&spec, m, j0, n) {
+                            continue;
+                        }
+                        // SAFETY: indices in range; the tiles hold BLOCK² ≥ m·n values.
+                        unsafe {
+                            self.tile(b, h, h / group, (i0, m), (j0, n), delta, p, ds, false)
+                        };
+                        for r in 0..m {
+                            let row = if bs[2] == 1 { 0 } else { i0 + r };
+                            let at = ((ib * bs[1] + ih) * bs[2] + row) * s.lk + j0;
+                            for c in 0..n {
+                                // SAFETY: row `row` of this task's (batch, head), key `j0 + c`.
+                                unsafe { *grad.get().add(at + c) += ds[r * n + c] };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// `delta[i] = Σ_c dO[i, c]·O[i, c]` for the rows of head `h` of batch `b`.
     ///
     /// # Safety
@@ -416,7 +515,8 @@ impl Bwd<'_> {
 
     /// Scores of query rows `i0..i0+m` of head `h` against keys `j0..j0+n` of KV head `hk`,
     /// turned into probabilities `P` (row stride `n`) in `p` and `dS = P ∘ (dP − D)` (times the
-    /// softcap's derivative) in `ds`, for batch `b`.
+    /// softcap's derivative, unless `raw`: then `dS` by the logit, what the bias gets) in `ds`,
+    /// for batch `b`.
     ///
     /// # Safety
     /// Indices in range; `p` and `ds` hold `m·n` values.
@@ -431,6 +531,7 @@ impl Bwd<'_> {
         delta: &[f32],
         p: &mut [f32],
         ds: &mut [f32],
+        raw: bool,
     ) {
         let pl = self.plan;
         let s = &pl.shape;
@@ -519,6 +620,7 @@ impl Bwd<'_> {
                 let (pv, dv) = match logit {
                     Some((x, deriv)) if l != f32::NEG_INFINITY => {
                         let pv = (x - l).exp();
+                        let deriv = if raw { 1.0 } else { deriv };
                         (pv, pv * (dsr[c] - dr) * deriv)
                     }
                     _ => (0.0, 0.0),
@@ -591,7 +693,7 @@ impl Bwd<'_> {
                     continue;
                 }
                 // SAFETY: indices in range; the tiles hold BLOCK² ≥ m·n values.
-                unsafe { self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds) };
+                unsafe { self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds, false) };
                 // SAFETY: the tiles (row stride n), rows of dO and Q (validated views), and the
                 // accumulators (`n × Dv`, `n × D`, dense).
                 unsafe {
@@ -696,7 +798,7 @@ impl Bwd<'_> {
             }
             // SAFETY: as in `dk_dv`; then dQ += scale·dS·K over K's rows `j0..j0+n`.
             unsafe {
-                self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds);
+                self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds, false);
                 let k = pl.k.add(off(pl.ks, b, hk, j0));
                 sgemm(
                     self.backend,

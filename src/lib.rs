@@ -75,7 +75,9 @@ pub mod unfused;
 mod view;
 
 pub use attnkit_kernels::{bf16, f16, Dtype, Elem, Isa, IsaError, Operand, Stored};
-pub use backward::{sdpa_backward, sdpa_backward_vec, sinks_gradient, Gradients, Saved};
+pub use backward::{
+    bias_gradient, sdpa_backward, sdpa_backward_vec, sinks_gradient, Gradients, Saved,
+};
 pub use error::{AttnError, Result};
 pub use heads::{merge_heads, split_heads};
 #[cfg(feature = "candle")]

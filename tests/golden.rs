@@ -1324,7 +1324,7 @@ const BACKWARD_CASES: [&str; 4] = [
 ];
 
 fn check_backward_case(name: &str) {
-    use attnkit::{sdpa_backward_vec, sdpa_ext_vec, Returns, Saved};
+    use attnkit::{bias_gradient, sdpa_backward_vec, sdpa_ext_vec, Returns, Saved};
     let g = Golden::open(name);
     let (q, qs) = g.f32("q");
     let (k, ks) = g.f32("k");
@@ -1389,6 +1389,11 @@ fn check_backward_case(name: &str) {
                 lse: &lse,
             };
             let got = sdpa_backward_vec(&saved, &Tensor::bhld(&dout, os), &opts).unwrap();
+            if let Some((want, _)) = g.f64_out("dbias_f64") {
+                let dbias = bias_gradient(&saved, &Tensor::bhld(&dout, os), &opts).unwrap();
+                let (max, bad, first) = compare(&dbias, &want);
+                assert_eq!(bad, 0, "{name} {how} {isa}: dbias {max:e} at {first:?}");
+            }
             for (grad, (got, want)) in ["dq", "dk", "dv"]
                 .iter()
                 .zip([&got.dq, &got.dk, &got.dv].into_iter().zip(&want))
