@@ -1,7 +1,7 @@
 //! `sdpa_backward` (#17) against an f64 backward computed from the f64 reference's weights:
 //! `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))` (times the softcap's `1 − tanh²`),
 //! `dQ = scale·dS·K`, `dK = scale·dSᵀ·Q`, summed over each GQA group — over shapes that cross
-//! the 64-row/64-key tiles (1, odd sizes, Lq ≠ Lk, D ≠ Dv, D not a multiple of a vector), every
+//! the 128-row/128-key tiles (1, odd sizes, Lq ≠ Lk, D ≠ Dv, D not a multiple of a vector), every
 //! causal alignment, windows, key lengths (0 included), bool masks, biases, ALiBi, softcap and
 //! sinks, and strided (BLHD) views. Also: results bitwise independent of the thread count,
 //! typed refusals.
@@ -274,8 +274,8 @@ fn check(c: &Case, seed: u64) -> f64 {
     worst
 }
 
-/// The lengths that cross the 64-row/64-key tiles.
-const LENS: [usize; 9] = [1, 2, 7, 33, 63, 64, 65, 100, 130];
+/// The lengths that cross the 128-row/128-key tiles.
+const LENS: [usize; 10] = [1, 2, 7, 33, 64, 100, 127, 128, 129, 200];
 
 #[test]
 fn backward_matches_the_f64_reference() {
