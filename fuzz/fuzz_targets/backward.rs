@@ -1,0 +1,141 @@
+//! Fuzzes the backward pass (`sdpa_backward_vec`, `bias_gradient`, `sinks_gradient`): small
+//! problems with every option combination the forward fuzzer draws, dense inputs.
+//!
+//! Checked on every input: no panic, abort or hang; the backward accepts what the forward
+//! accepted (unless the forward's logsumexp overflowed, which it must refuse) and refuses what
+//! the forward refused, with the same error; `Par::Seq` and `Par::Rayon` agree bit for bit; on a
+//! reference-tame problem an identity of softmax attention holds: each row's weights sum to one
+//! minus its sink's share, so `Σ_j dV_j` is the dO rows weighted by that, within a rounding bound
+//! from their magnitudes. (Agreement with an f64 reference is the unit tests' job.)
+#![no_main]
+
+use arbitrary::{Result, Unstructured};
+use attnkit::{
+    bias_gradient, sdpa_backward_vec, sdpa_ext_vec, sinks_gradient, Par, Returns, Saved, Tensor,
+};
+use attnkit_fuzz::expect::Expect;
+use attnkit_fuzz::gen::Rng;
+use attnkit_fuzz::problem::{Dims, OptSpec, MAX_LEN};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let _ = run(&mut Unstructured::new(data));
+});
+
+fn run(u: &mut Unstructured) -> Result<()> {
+    let dims = Dims::decode(u, false)?;
+    let mut expect = Expect::default();
+    dims.check_heads(&mut expect);
+    let mut rng = Rng::decode(u)?;
+    let opts = OptSpec::decode(u, &dims, false, &mut rng, &mut expect, MAX_LEN)?;
+    let (q, k, v) = (
+        rng.values(dims.q().iter().product()),
+        rng.values(dims.k().iter().product()),
+        rng.values(dims.v().iter().product()),
+    );
+    let dout = rng.values(dims.out().iter().product());
+    let (qt, kt, vt) = (
+        Tensor::bhld(&q, dims.q()),
+        Tensor::bhld(&k, dims.k()),
+        Tensor::bhld(&v, dims.v()),
+    );
+    let want = Returns {
+        lse: true,
+        weights: false,
+    };
+    let o = opts.options(Par::Seq);
+    let fwd = sdpa_ext_vec(&qt, &kt, &vt, &o, want);
+    expect.check("forward", &fwd);
+    let fwd = match fwd {
+        Ok(f) => f,
+        Err(e) => {
+            // The backward validates the same inputs and options: the same refusal.
+            let out = vec![0.0f32; dims.out().iter().product()];
+            let lse = vec![0.0f32; dims.b * dims.hq * dims.lq];
+            let saved = Saved {
+                q: qt,
+                k: kt,
+                v: vt,
+                out: Tensor::bhld(&out, dims.out()),
+                lse: &lse,
+            };
+            let r = sdpa_backward_vec(&saved, &Tensor::bhld(&dout, dims.out()), &o);
+            assert_eq!(
+                r.err(),
+                Some(e),
+                "the backward accepts what the forward refused"
+            );
+            return Ok(());
+        }
+    };
+    let lse = fwd.lse.expect("lse asked for");
+    let saved = Saved {
+        q: qt,
+        k: kt,
+        v: vt,
+        out: Tensor::bhld(&fwd.out, dims.out()),
+        lse: &lse,
+    };
+    let go = Tensor::bhld(&dout, dims.out());
+    if lse.iter().any(|l| l.is_nan() || *l == f32::INFINITY) {
+        // Scores past f32's range (any scale bits): no gradient, a refusal naming the lse.
+        let r = sdpa_backward_vec(&saved, &go, &o);
+        assert!(
+            matches!(r, Err(attnkit::AttnError::BadParam { arg: "lse", .. })),
+            "{r:?}"
+        );
+        return Ok(());
+    }
+    let seq = sdpa_backward_vec(&saved, &go, &o).expect("backward of an accepted forward");
+    let par = sdpa_backward_vec(&saved, &go, &opts.options(Par::Rayon)).expect("rayon");
+    assert!(seq == par, "Par::Seq and Par::Rayon differ");
+    if opts
+        .mask
+        .as_ref()
+        .is_some_and(|m| matches!(m.data, attnkit_fuzz::problem::MaskData::Bias(_)))
+    {
+        let a = bias_gradient(&saved, &go, &o).expect("bias gradient");
+        let b = bias_gradient(&saved, &go, &opts.options(Par::Rayon)).expect("bias gradient");
+        assert!(a == b, "bias gradient: Par::Seq and Par::Rayon differ");
+    }
+    if opts.sinks.is_some() {
+        sinks_gradient(&saved, &go, &o).expect("sinks gradient");
+    }
+    if opts.reference_applies(dims.d) && fwd.out.iter().all(|x| x.is_finite()) {
+        identity(&dims, &opts, &saved, &dout, &seq);
+    }
+    Ok(())
+}
+
+/// `Σ_j dV[b, hk, j] = Σ_{h, i} (1 − sink share)·dO[b, h, i]`.
+fn identity(dims: &Dims, opts: &OptSpec, saved: &Saved, dout: &[f32], g: &attnkit::Gradients) {
+    let group = dims.hq / dims.hkv.max(1);
+    for b in 0..dims.b {
+        for hk in 0..dims.hkv {
+            for c in 0..dims.dv {
+                let (mut want, mut mag) = (0.0f64, 0.0f64);
+                for h in hk * group..(hk + 1) * group {
+                    for i in 0..dims.lq {
+                        let row = (b * dims.hq + h) * dims.lq + i;
+                        let l = saved.lse[row];
+                        if l == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let sink = opts.sinks.as_ref().map_or(f32::NEG_INFINITY, |s| s[h]);
+                        let share = 1.0 - f64::from((sink - l).exp());
+                        let d = f64::from(dout[row * dims.dv + c]);
+                        want += share * d;
+                        mag += d.abs();
+                    }
+                }
+                let got: f64 = (0..dims.lk)
+                    .map(|j| f64::from(g.dv[((b * dims.hkv + hk) * dims.lk + j) * dims.dv + c]))
+                    .sum();
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + mag),
+                    "Σ dV of batch {b}, KV head {hk}, column {c}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
