@@ -87,9 +87,9 @@ pub use interop::ndarray;
 pub use kv_cache::KvCache;
 pub use layers::{
     dot_product_attention, scaled_dot_product_attention, AdditiveAttention, AdditiveDims,
-    AdditiveOptions, AdditiveOutput, AdditiveWeights, Fusion, InitRng, KeyPadding, LayerGrads,
-    LayerOutput, Linear, MhaConfig, MhaMask, MhaOptions, MultiheadAttention, SelfAttention,
-    StateDict, Tape, Tokens, Weights,
+    AdditiveOptions, AdditiveOutput, AdditiveTape, AdditiveWeights, Fusion, InitRng, KeyPadding,
+    LayerGrads, LayerOutput, Linear, MhaConfig, MhaMask, MhaOptions, MultiheadAttention,
+    SelfAttention, StateDict, Tape, Tokens, Weights,
 };
 pub use merge::{merge, Partial};
 pub use options::{

@@ -525,3 +525,153 @@ fn bad_inputs_are_typed_errors() {
         .iter()
         .all(|&x| x == f32::NEG_INFINITY));
 }
+
+/// The additive layer's backward (#17): every input's and parameter's gradient against central
+/// finite differences of an f64 forward written here (`vᵀ·tanh(W_q·q + b + W_k·k)`, softmax over
+/// the valid keys, weights·V), with key lengths (one batch short), both biases, and a
+/// sequence-first query.
+#[test]
+fn additive_backward_matches_finite_differences() {
+    use attnkit::AdditiveOptions;
+    let (b, lq, lk, dq, dk, dv, a) = (2, 5, 7, 6, 4, 3, 8);
+    let lens = [7usize, 4];
+    // Values on a grid of 1/64: exact in f32, so both sides start from the same numbers.
+    let grid = |n: usize, seed: usize| -> Vec<f64> {
+        (0..n)
+            .map(|i| (((i * 37 + seed * 101) % 97) as f64 - 48.0) / 64.0)
+            .collect()
+    };
+    let (wq, wk, bq, bk, v) = (
+        grid(a * dq, 1),
+        grid(a * dk, 2),
+        grid(a, 3),
+        grid(a, 4),
+        grid(a, 5),
+    );
+    let (q, k, vals, dy) = (
+        grid(b * lq * dq, 6),
+        grid(b * lk * dk, 7),
+        grid(b * lk * dv, 8),
+        grid(b * lq * dv, 9),
+    );
+    // The loss Σ out·dy in f64; the query is batch-first here.
+    let loss = |p: &[Vec<f64>; 8]| -> f64 {
+        let [wq, wk, bq, bk, v, q, k, vals] = p;
+        let mut total = 0.0;
+        for bi in 0..b {
+            for i in 0..lq {
+                let s: Vec<f64> = (0..lens[bi])
+                    .map(|j| {
+                        (0..a)
+                            .map(|c| {
+                                let x: f64 = (0..dq)
+                                    .map(|e| wq[c * dq + e] * q[(bi * lq + i) * dq + e])
+                                    .sum::<f64>()
+                                    + (0..dk)
+                                        .map(|e| wk[c * dk + e] * k[(bi * lk + j) * dk + e])
+                                        .sum::<f64>()
+                                    + bq[c]
+                                    + bk[c];
+                                v[c] * x.tanh()
+                            })
+                            .sum()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                for c in 0..dv {
+                    let o: f64 = s
+                        .iter()
+                        .enumerate()
+                        .map(|(j, x)| (x - m).exp() / z * vals[(bi * lk + j) * dv + c])
+                        .sum();
+                    total += o * dy[(bi * lq + i) * dv + c];
+                }
+            }
+        }
+        total
+    };
+    let f = |x: &[f64]| -> Vec<f32> { x.iter().map(|&y| y as f32).collect() };
+    let (wq32, wk32, bq32, bk32, v32) = (f(&wq), f(&wk), f(&bq), f(&bk), f(&v));
+    let mut sd = attnkit::StateDict::new();
+    sd.insert("W_q.weight", &[a, dq], &wq32).unwrap();
+    sd.insert("W_k.weight", &[a, dk], &wk32).unwrap();
+    sd.insert("W_q.bias", &[a], &bq32).unwrap();
+    sd.insert("W_k.bias", &[a], &bk32).unwrap();
+    sd.insert("w_v.weight", &[1, a], &v32).unwrap();
+    let layer = AdditiveAttention::from_state_dict(&sd, "").unwrap();
+    // The query sequence-first: (Lq, B, Dq) memory.
+    let q32 = f(&q);
+    let mut qs = vec![0.0f32; q32.len()];
+    for bi in 0..b {
+        for i in 0..lq {
+            qs[(i * b + bi) * dq..][..dq].copy_from_slice(&q32[(bi * lq + i) * dq..][..dq]);
+        }
+    }
+    let (k32, v32s, dy32) = (f(&k), f(&vals), f(&dy));
+    let mut dys = vec![0.0f32; dy32.len()];
+    for bi in 0..b {
+        for i in 0..lq {
+            dys[(i * b + bi) * dv..][..dv].copy_from_slice(&dy32[(bi * lq + i) * dv..][..dv]);
+        }
+    }
+    let opts = AdditiveOptions::new().key_lengths(&lens);
+    let (y, tape) = layer
+        .forward_train(
+            &Tokens::lbe(&qs, [lq, b, dq]),
+            &Tokens::ble(&k32, [b, lk, dk]),
+            &Tokens::ble(&v32s, [b, lk, dv]),
+            &opts,
+        )
+        .unwrap();
+    assert_eq!(y.shape, [lq, b, dv]);
+    let g = layer.backward(&tape, &dys).unwrap();
+    // Back to batch-first for the comparison.
+    let mut dq_bf = vec![0.0f32; g.dquery.len()];
+    for bi in 0..b {
+        for i in 0..lq {
+            dq_bf[(bi * lq + i) * dq..][..dq].copy_from_slice(&g.dquery[(i * b + bi) * dq..][..dq]);
+        }
+    }
+    let params = [wq, wk, bq, bk, v, q, k, vals];
+    let names = [
+        "W_q.weight",
+        "W_k.weight",
+        "W_q.bias",
+        "W_k.bias",
+        "w_v.weight",
+    ];
+    let mut worst = 0.0f64;
+    for (t, grad) in [
+        g.params.tensor(names[0]).unwrap().1,
+        g.params.tensor(names[1]).unwrap().1,
+        g.params.tensor(names[2]).unwrap().1,
+        g.params.tensor(names[3]).unwrap().1,
+        g.params.tensor(names[4]).unwrap().1,
+        dq_bf,
+        g.dkey.clone(),
+        g.dvalue.clone(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let n = grad.len();
+        assert_eq!(n, params[t].len(), "tensor {t}");
+        for idx in (0..n).step_by(n / 9 + 1) {
+            let h = 1e-5;
+            let mut up = params.clone();
+            up[t][idx] += h;
+            let mut down = params.clone();
+            down[t][idx] -= h;
+            let fd = (loss(&up) - loss(&down)) / (2.0 * h);
+            let err = (grad[idx] as f64 - fd).abs();
+            worst = worst.max(err / (1.0 + fd.abs()));
+            assert!(
+                err <= 1e-5 * (1.0 + fd.abs()),
+                "tensor {t} [{idx}]: {} vs finite difference {fd}",
+                grad[idx]
+            );
+        }
+    }
+    eprintln!("worst gap to finite differences: {worst:e}");
+}

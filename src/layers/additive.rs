@@ -145,13 +145,13 @@ pub struct AdditiveAttention {
     a: usize,
     dq: usize,
     dk: usize,
-    w_q: Vec<f32>,
-    w_k: Vec<f32>,
+    pub(super) w_q: Vec<f32>,
+    pub(super) w_k: Vec<f32>,
     b_q: Option<Vec<f32>>,
     b_k: Option<Vec<f32>>,
     /// `b_q + b_k`, added to the query projection.
-    bias: Option<Vec<f32>>,
-    v: Vec<f32>,
+    pub(super) bias: Option<Vec<f32>>,
+    pub(super) v: Vec<f32>,
 }
 
 fn check_len(name: &str, data: &[f32], shape: &[usize]) -> Result<()> {
@@ -388,6 +388,28 @@ impl AdditiveAttention {
             sd.insert_unchecked(join(prefix, "W_k.bias"), vec![self.a], b);
         }
         sd
+    }
+
+    /// A holder of gradients shaped as `like`: each parameter's gradient in its place, and the
+    /// shared bias gradient `db` under each bias `like` has (both enter the same sum).
+    pub(super) fn from_grads(
+        like: &Self,
+        w_q: Vec<f32>,
+        w_k: Vec<f32>,
+        db: Vec<f32>,
+        v: Vec<f32>,
+    ) -> Self {
+        AdditiveAttention {
+            a: like.a,
+            dq: like.dq,
+            dk: like.dk,
+            w_q,
+            w_k,
+            b_q: like.b_q.as_ref().map(|_| db.clone()),
+            b_k: like.b_k.as_ref().map(|_| db.clone()),
+            bias: None,
+            v,
+        }
     }
 
     /// `(A, Dq, Dk)`.

@@ -11,6 +11,7 @@
 //! on the thread count.
 
 mod additive;
+mod additive_train;
 mod functional;
 mod init;
 mod linear;
@@ -22,6 +23,7 @@ mod tokens;
 pub use additive::{
     AdditiveAttention, AdditiveDims, AdditiveOptions, AdditiveOutput, AdditiveWeights,
 };
+pub use additive_train::AdditiveTape;
 pub use functional::{dot_product_attention, scaled_dot_product_attention};
 pub use init::InitRng;
 pub use linear::Linear;

@@ -1,0 +1,219 @@
+//! Training [`AdditiveAttention`]: a forward that keeps its inputs and attention weights, and the
+//! backward through the softmax, the `vᵀ·tanh(·)` scores and the two projections.
+//!
+//! With `t_ij = tanh(q′_i + k′_j)` (`q′ = W_q·q + b`, `k′ = W_k·k`), `P` the weights and
+//! `dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))`: `dV = Pᵀ·dO`, `dv = Σ_ij dS_ij·t_ij`,
+//! `dq′_i = Σ_j dS_ij·v ∘ (1 − t_ij²)`, `dk′_j = Σ_i dS_ij·v ∘ (1 − t_ij²)`, then
+//! `dW_q = dq′ᵀ·q`, `db = Σ_i dq′_i`, `dW_k = dk′ᵀ·k`, `dq = dq′·W_q`, `dk = dk′·W_k`.
+//! The `(B, Lq, Lk, A)` tensor of `t` is recomputed a row at a time, never stored.
+
+use super::additive::{AdditiveAttention, AdditiveOptions, AdditiveOutput};
+use super::mha::LayerGrads;
+use super::Tokens;
+use crate::alloc::zeros_for;
+use crate::error::{AttnError, Result};
+
+/// What [`AdditiveAttention::forward_train`] keeps: dense batch-first copies of the inputs and
+/// the output, the attention weights `(B, Lq, Lk)` (the layer's sequences are short: the
+/// weights are what its backward reuses), and the inputs' memory orders.
+#[derive(Clone, Debug)]
+pub struct AdditiveTape {
+    dims: [usize; 4], // B, Lq, Lk, Dv
+    seq_first: [bool; 3],
+    x: [Vec<f32>; 3],
+    out: Vec<f32>,
+    weights: Vec<f32>,
+}
+
+fn dense(x: &Tokens) -> Result<Vec<f32>> {
+    let [b, l, e] = x.shape;
+    let mut y = zeros_for("input", &[b, l, e])?;
+    for bi in 0..b {
+        for li in 0..l {
+            let src = bi * x.strides[0] + li * x.strides[1];
+            y[(bi * l + li) * e..][..e].copy_from_slice(&x.data[src..src + e]);
+        }
+    }
+    Ok(y)
+}
+
+/// Swaps the two outer axes of dense `(n0, n1, w)` rows.
+fn swap_outer(y: &[f32], [n0, n1, w]: [usize; 3]) -> Vec<f32> {
+    let mut out = vec![0.0; y.len()];
+    for i in 0..n0 {
+        for j in 0..n1 {
+            out[(j * n0 + i) * w..][..w].copy_from_slice(&y[(i * n1 + j) * w..][..w]);
+        }
+    }
+    out
+}
+
+impl AdditiveAttention {
+    /// [`AdditiveAttention::forward`] for training: also returns the [`AdditiveTape`] that
+    /// [`AdditiveAttention::backward`] needs. `opts.need_*` are ignored (the weights are kept in
+    /// the tape; `need_weights` also returns them).
+    ///
+    /// # Errors
+    /// As `forward`.
+    pub fn forward_train(
+        &self,
+        queries: &Tokens,
+        keys: &Tokens,
+        values: &Tokens,
+        opts: &AdditiveOptions,
+    ) -> Result<(AdditiveOutput, AdditiveTape)> {
+        let mut o = *opts;
+        o.need_weights = true;
+        o.need_scores = false;
+        let mut y = self.forward(queries, keys, values, &o)?;
+        let weights = if opts.need_weights {
+            y.weights.clone()
+        } else {
+            y.weights.take()
+        }
+        .expect("weights asked for");
+        let [b, lq, _] = queries.shape;
+        let (lk, dv) = (keys.shape[1], values.shape[2]);
+        let sf = queries.is_seq_first();
+        let out = if sf {
+            swap_outer(&y.out, [lq, b, dv])
+        } else {
+            y.out.clone()
+        };
+        let tape = AdditiveTape {
+            dims: [b, lq, lk, dv],
+            seq_first: [sf, keys.is_seq_first(), values.is_seq_first()],
+            x: [dense(queries)?, dense(keys)?, dense(values)?],
+            out,
+            weights,
+        };
+        Ok((y, tape))
+    }
+
+    /// The gradients of the three inputs (dense, each in its memory order) and of every
+    /// parameter (named as [`AdditiveAttention::state_dict`] names them: `W_q.weight`,
+    /// `W_k.weight`, `w_v.weight`, and `W_q.bias` / `W_k.bias` where the layer has them), given
+    /// `dy`, the gradient of the output of the `forward_train` that made `tape` (dense, in the
+    /// output's memory order).
+    ///
+    /// # Errors
+    /// [`AttnError::BufferLength`] for a `dy` of the wrong length.
+    pub fn backward(&self, tape: &AdditiveTape, dy: &[f32]) -> Result<LayerGrads> {
+        let [b, lq, lk, dv] = tape.dims;
+        let (a, dq, dk) = self.dims();
+        let needed = crate::alloc::checked_len("dy", &[b, lq, dv])?;
+        if dy.len() != needed {
+            return Err(AttnError::BufferLength {
+                arg: "dy",
+                needed,
+                got: dy.len(),
+            });
+        }
+        let dy = if tape.seq_first[0] {
+            swap_outer(dy, [lq, b, dv])
+        } else {
+            dy.to_vec()
+        };
+        let [xq, xk, xv] = &tape.x;
+        let p = &tape.weights;
+        // The projections, as the forward computed them (its bias is b_q + b_k, on q′).
+        let proj = |x: &[f32], w: &[f32], bias: Option<&[f32]>, rows: usize, e: usize| {
+            let mut y = vec![0.0f32; rows * a];
+            for r in 0..rows {
+                for (c, yc) in y[r * a..(r + 1) * a].iter_mut().enumerate() {
+                    let dot: f32 = (0..e).map(|i| x[r * e + i] * w[c * e + i]).sum();
+                    *yc = dot + bias.map_or(0.0, |bb| bb[c]);
+                }
+            }
+            y
+        };
+        let qp = proj(xq, &self.w_q, self.bias.as_deref(), b * lq, dq);
+        let kp = proj(xk, &self.w_k, None, b * lk, dk);
+        let mut dqp = zeros_for("dq'", &[b, lq, a])?;
+        let mut dkp = zeros_for("dk'", &[b, lk, a])?;
+        let mut dvec = vec![0.0f32; a];
+        let mut dvals = zeros_for("dvalues", &[b, lk, dv])?;
+        let mut t = vec![0.0f32; a];
+        for bi in 0..b {
+            for i in 0..lq {
+                let row = bi * lq + i;
+                let go = &dy[row * dv..(row + 1) * dv];
+                let o = &tape.out[row * dv..(row + 1) * dv];
+                let delta: f32 = go.iter().zip(o).map(|(x, y)| x * y).sum();
+                for j in 0..lk {
+                    let pij = p[row * lk + j];
+                    if pij == 0.0 {
+                        continue;
+                    }
+                    let vr = (bi * lk + j) * dv;
+                    let mut dp = 0.0f32;
+                    for c in 0..dv {
+                        dvals[vr + c] += pij * go[c];
+                        dp += go[c] * xv[vr + c];
+                    }
+                    let ds = pij * (dp - delta);
+                    let (qr, kr) = (&qp[row * a..(row + 1) * a], &kp[(bi * lk + j) * a..][..a]);
+                    for c in 0..a {
+                        t[c] = (qr[c] + kr[c]).tanh();
+                    }
+                    for c in 0..a {
+                        dvec[c] += ds * t[c];
+                        let g = ds * self.v[c] * (1.0 - t[c] * t[c]);
+                        dqp[row * a + c] += g;
+                        dkp[(bi * lk + j) * a + c] += g;
+                    }
+                }
+            }
+        }
+        // dW = dP′ᵀ·X, dX = dP′·W.
+        let outer = |dp: &[f32], x: &[f32], rows: usize, e: usize| {
+            let mut w = vec![0.0f32; a * e];
+            for r in 0..rows {
+                for c in 0..a {
+                    let g = dp[r * a + c];
+                    if g != 0.0 {
+                        for i in 0..e {
+                            w[c * e + i] += g * x[r * e + i];
+                        }
+                    }
+                }
+            }
+            w
+        };
+        let back = |dp: &[f32], w: &[f32], rows: usize, e: usize| {
+            let mut x = vec![0.0f32; rows * e];
+            for r in 0..rows {
+                for c in 0..a {
+                    let g = dp[r * a + c];
+                    for i in 0..e {
+                        x[r * e + i] += g * w[c * e + i];
+                    }
+                }
+            }
+            x
+        };
+        let db: Vec<f32> = (0..a)
+            .map(|c| (0..b * lq).map(|r| dqp[r * a + c]).sum())
+            .collect();
+        let grads = AdditiveAttention::from_grads(
+            self,
+            outer(&dqp, xq, b * lq, dq),
+            outer(&dkp, xk, b * lk, dk),
+            db,
+            dvec,
+        );
+        let order = |x: Vec<f32>, p: usize, l: usize, e: usize| {
+            if tape.seq_first[p] {
+                swap_outer(&x, [b, l, e])
+            } else {
+                x
+            }
+        };
+        Ok(LayerGrads {
+            dquery: order(back(&dqp, &self.w_q, b * lq, dq), 0, lq, dq),
+            dkey: order(back(&dkp, &self.w_k, b * lk, dk), 1, lk, dk),
+            dvalue: order(dvals, 2, lk, dv),
+            params: grads.state_dict(""),
+        })
+    }
+}
