@@ -4,8 +4,9 @@ use crate::cases::Case;
 use attnkit::kernels::reference;
 use attnkit::unfused::{sdpa_unfused_with, Backend};
 use attnkit::{
-    bf16, choose_kernel, f16, sdpa, sdpa_int8, AlignedBuf, Causal, Dtype, Elem, Isa, Kernel,
-    Operand, PagedKvCache, SdpaOptions, SeqId, Stored, Tensor, TensorMut,
+    bf16, choose_kernel, f16, sdpa, sdpa_backward_vec, sdpa_ext, sdpa_int8, AlignedBuf, Causal,
+    Dtype, Elem, Extras, Isa, Kernel, Operand, PagedKvCache, Saved, SdpaOptions, SeqId, Stored,
+    Tensor, TensorMut,
 };
 
 /// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed, each buffer starting on a
@@ -242,6 +243,10 @@ pub trait Impl: Sync {
     }
     /// One forward pass: reads `inp`, writes `out` (dense `(B, H, Lq, D)`).
     fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa);
+    /// Its FLOPs in units of the forward's ([`Case::flops`]).
+    fn flops_factor(&self) -> f64 {
+        1.0
+    }
 }
 
 /// What runs without `--impl`: ours on the automatic path and the baselines (the forced paths
@@ -254,6 +259,7 @@ pub const NAMES: &[&str] = &[
     "fused-prefill",
     "fused-decode",
     "fused-paged",
+    "fused-backward",
     "read-kv",
     "unfused-mm",
     "unfused-blas",
@@ -443,6 +449,48 @@ impl Impl for Fused {
     }
 }
 
+/// A training step's attention: `sdpa_ext` with the logsumexp, then `sdpa_backward` with the
+/// queries standing in for the upstream gradient (`fused-backward`, f32). FLOPs: the forward's
+/// plus the backward's five products, 2.5× the forward (FlashAttention's convention; attnkit
+/// recomputes up to two more, not counted), 3.5× in all.
+struct FusedBackward;
+
+impl Impl for FusedBackward {
+    fn name(&self) -> &'static str {
+        "fused-backward"
+    }
+    fn flops_factor(&self) -> f64 {
+        3.5
+    }
+    fn run(&self, case: &Case, inp: &Inputs, out: &mut [f32], isa: Isa) {
+        let opts = options(case, isa);
+        let (qs, kvs) = (
+            [case.b, case.h, case.lq, case.d],
+            [case.b, case.hkv, case.lk, case.d],
+        );
+        let (q, k, v) = (
+            Tensor::bhld(&inp.q[..], qs),
+            Tensor::bhld(&inp.k[..], kvs),
+            Tensor::bhld(&inp.v[..], kvs),
+        );
+        let mut lse = vec![0.0f32; case.b * case.h * case.lq];
+        let extras = Extras {
+            lse: Some(&mut lse),
+            weights: None,
+        };
+        sdpa_ext(&q, &k, &v, &mut TensorMut::bhld(out, qs), &opts, extras).expect("sdpa failed");
+        let saved = Saved {
+            q,
+            k,
+            v,
+            out: Tensor::bhld(out, qs),
+            lse: &lse,
+        };
+        let g = sdpa_backward_vec(&saved, &q, &opts).expect("backward failed");
+        std::hint::black_box(g);
+    }
+}
+
 /// `PagedKvCache::attend`: the decode kernel reading K and V through page tables
 /// (`fused-paged`; `--paged PAGE` sets the page length).
 struct FusedPaged;
@@ -626,6 +674,7 @@ pub fn by_name(name: &str, naive_max_macs: f64) -> Result<Box<dyn Impl>, String>
             Err("fused-paged: give the page length with --paged PAGE".into())
         }
         "fused-paged" => Ok(Box::new(FusedPaged)),
+        "fused-backward" => Ok(Box::new(FusedBackward)),
         "read-kv" => Ok(Box::new(ReadKv)),
         "unfused-mm" => Ok(Box::new(Unfused("unfused-mm", Backend::MatrixMultiply))),
         #[cfg(feature = "blas")]

@@ -507,7 +507,7 @@ fn run(cfg: &Config) -> Result<(), Box<dyn std::error::Error>> {
                         }
                     }
                 }
-                let gflops = case.flops() / median / 1e9;
+                let gflops = imp.flops_factor() * case.flops() / median / 1e9;
                 let peak = if threads == t {
                     peak_t
                 } else {
@@ -581,7 +581,7 @@ fn header(cfg: &Config, chosen: &[Box<dyn Impl>]) {
         }
     );
     println!(
-        "median of ≥{} calls and ≥{}s after {} warm-up call(s){}; GFLOP/s = 4·B·H·Lq·Lk·D / median (½ if causal and Lq = Lk); \
+        "median of ≥{} calls and ≥{}s after {} warm-up call(s){}; GFLOP/s = 4·B·H·Lq·Lk·D / median (½ if causal and Lq = Lk; 3.5× for fused-backward, forward + backward); \
          % peak vs the {} FMA peak of the same thread count; KV GB/s = bytes of K and V / median",
         cfg.reps,
         cfg.min_time,
