@@ -219,13 +219,16 @@ fn validate_saved(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Pl
             reason: "must be finite, or -inf for a fully masked row",
         });
     }
-    // K and V of a batch of one are shared by every query batch: their gradients would then
-    // sum over batches, which the per-batch tasks do not do.
-    if s.b > 1 && (plan.ks[0] == 0 || plan.vs[0] == 0) && s.lk > 0 {
-        return Err(AttnError::BadParam {
-            arg: "k",
-            reason: "the backward pass needs K and V per batch (no batch broadcast)",
-        });
+    // K and V of a batch of one serve every query batch: their gradients would then be sums
+    // over batches, which the per-batch tasks do not form. (A zero B stride over B batches is
+    // fine: dK and dV have their own rows per batch, for the caller to sum.)
+    for (arg, x, width) in [("k", &saved.k, s.d), ("v", &saved.v, s.dv)] {
+        if x.shape[0] == 1 && s.b > 1 && width > 0 && s.lk > 0 {
+            return Err(AttnError::BadParam {
+                arg,
+                reason: "the backward pass needs K and V of every batch (no batch of one)",
+            });
+        }
     }
     Ok(plan)
 }

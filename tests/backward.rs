@@ -798,3 +798,62 @@ fn bias_gradient_matches_the_reference() {
         assert!(pool.install(|| bias_gradient(&saved, &go, &opts).unwrap()) == got);
     }
 }
+
+/// K and V of a batch of one cannot get one gradient per query batch: refused by name. A zero
+/// B stride over B batches is fine (each batch has its own dK/dV rows, equal to what a copy per
+/// batch gets), and so are empty rows (`D = 0`, which the fuzzer found refused as a broadcast).
+#[test]
+fn backward_kv_batches() {
+    let (b, h, l, d) = (2, 2, 9, 4);
+    let mut rng = SmallRng::seed_from_u64(12);
+    let q = randn(&mut rng, b * h * l * d, 1.0);
+    let k1 = randn(&mut rng, h * l * d, 1.0);
+    let dout = randn(&mut rng, b * h * l * d, 1.0);
+    let kb = k1.repeat(b);
+    let qt = Tensor::bhld(&q, [b, h, l, d]);
+    let want_lse = Returns {
+        lse: true,
+        weights: false,
+    };
+    let run = |k: Tensor| {
+        let fwd = sdpa_ext_vec(&qt, &k, &k, &SdpaOptions::new(), want_lse).unwrap();
+        let lse = fwd.lse.unwrap();
+        let saved = Saved {
+            q: qt,
+            k,
+            v: k,
+            out: Tensor::bhld(&fwd.out, [b, h, l, d]),
+            lse: &lse,
+        };
+        sdpa_backward_vec(
+            &saved,
+            &Tensor::bhld(&dout, [b, h, l, d]),
+            &SdpaOptions::new(),
+        )
+    };
+    let copied = run(Tensor::bhld(&kb, [b, h, l, d])).unwrap();
+    let strided = run(Tensor::strided(&k1, [b, h, l, d], [0, l * d, d])).unwrap();
+    assert!(strided == copied);
+    let one = run(Tensor::bhld(&k1, [1, h, l, d]));
+    assert!(
+        matches!(one, Err(AttnError::BadParam { arg: "k", .. })),
+        "{one:?}"
+    );
+    // Empty rows: nothing to broadcast, nothing refused.
+    let e: [f32; 0] = [];
+    let (qe, ke) = (
+        Tensor::bhld(&e, [b, h, l, 0]),
+        Tensor::bhld(&e, [b, h, l, 0]),
+    );
+    let fwd = sdpa_ext_vec(&qe, &ke, &ke, &SdpaOptions::new(), want_lse).unwrap();
+    let lse = fwd.lse.unwrap();
+    let saved = Saved {
+        q: qe,
+        k: ke,
+        v: ke,
+        out: Tensor::bhld(&fwd.out, [b, h, l, 0]),
+        lse: &lse,
+    };
+    let g = sdpa_backward_vec(&saved, &Tensor::bhld(&e, [b, h, l, 0]), &SdpaOptions::new());
+    assert!(g.is_ok(), "{g:?}");
+}
