@@ -9,6 +9,7 @@
 
 use super::additive::{AdditiveAttention, AdditiveOptions, AdditiveOutput};
 use super::mha::LayerGrads;
+use super::tokens::swap_outer;
 use super::Tokens;
 use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
@@ -23,29 +24,6 @@ pub struct AdditiveTape {
     x: [Vec<f32>; 3],
     out: Vec<f32>,
     weights: Vec<f32>,
-}
-
-fn dense(x: &Tokens) -> Result<Vec<f32>> {
-    let [b, l, e] = x.shape;
-    let mut y = zeros_for("input", &[b, l, e])?;
-    for bi in 0..b {
-        for li in 0..l {
-            let src = bi * x.strides[0] + li * x.strides[1];
-            y[(bi * l + li) * e..][..e].copy_from_slice(&x.data[src..src + e]);
-        }
-    }
-    Ok(y)
-}
-
-/// Swaps the two outer axes of dense `(n0, n1, w)` rows.
-fn swap_outer(y: &[f32], [n0, n1, w]: [usize; 3]) -> Vec<f32> {
-    let mut out = vec![0.0; y.len()];
-    for i in 0..n0 {
-        for j in 0..n1 {
-            out[(j * n0 + i) * w..][..w].copy_from_slice(&y[(i * n1 + j) * w..][..w]);
-        }
-    }
-    out
 }
 
 impl AdditiveAttention {
@@ -83,7 +61,7 @@ impl AdditiveAttention {
         let tape = AdditiveTape {
             dims: [b, lq, lk, dv],
             seq_first: [sf, keys.is_seq_first(), values.is_seq_first()],
-            x: [dense(queries)?, dense(keys)?, dense(values)?],
+            x: [queries.dense_ble()?, keys.dense_ble()?, values.dense_ble()?],
             out,
             weights,
         };

@@ -1,5 +1,6 @@
 //! [`Tokens`]: a borrowed `(B, L, E)` batch of sequences of vectors.
 
+use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
 use crate::view::check_len;
 
@@ -98,6 +99,18 @@ impl<'a> Tokens<'a> {
             [self.strides[0], 0, self.strides[1]],
         )
     }
+    /// A dense batch-first `(B, L, E)` copy (what training keeps of an input).
+    pub(crate) fn dense_ble(&self) -> Result<Vec<f32>> {
+        let [b, l, e] = self.shape;
+        let mut y = zeros_for("input", &[b, l, e])?;
+        for bi in 0..b {
+            for li in 0..l {
+                let src = bi * self.strides[0] + li * self.strides[1];
+                y[(bi * l + li) * e..][..e].copy_from_slice(&self.data[src..src + e]);
+            }
+        }
+        Ok(y)
+    }
     /// Row strides `(b, l)` of a dense `(B, L, n)` buffer in this view's memory order.
     pub(crate) fn dense_strides(&self, n: usize) -> [usize; 2] {
         let [b, l, _] = self.shape;
@@ -107,4 +120,15 @@ impl<'a> Tokens<'a> {
             [l.saturating_mul(n), n]
         }
     }
+}
+
+/// Dense `(n0, n1, w)` rows with the two outer axes swapped: batch-first ↔ sequence-first.
+pub(crate) fn swap_outer(y: &[f32], [n0, n1, w]: [usize; 3]) -> Vec<f32> {
+    let mut out = vec![0.0; y.len()];
+    for i in 0..n0 {
+        for j in 0..n1 {
+            out[(j * n0 + i) * w..][..w].copy_from_slice(&y[(i * n1 + j) * w..][..w]);
+        }
+    }
+    out
 }

@@ -11,6 +11,7 @@ use crate::error::{AttnError, Result};
 use crate::exec::resolve_isa;
 use crate::gemm::sgemm;
 use crate::layers::linear::{project, Exec, Linear};
+use crate::layers::tokens::swap_outer;
 use crate::layers::{StateDict, Tokens};
 use crate::options::{Extras, SdpaOptions};
 use crate::view::{Tensor, TensorMut};
@@ -63,31 +64,13 @@ impl LayerGrads {
     }
 }
 
-/// `x` as a dense batch-first `(B, L, E)` copy.
-fn dense(x: &Tokens) -> Result<Vec<f32>> {
-    let [b, l, e] = x.shape;
-    let mut y = zeros_for("input", &[b, l, e])?;
-    for bi in 0..b {
-        for li in 0..l {
-            let src = bi * x.strides[0] + li * x.strides[1];
-            y[(bi * l + li) * e..][..e].copy_from_slice(&x.data[src..src + e]);
-        }
-    }
-    Ok(y)
-}
-
 /// Dense `(B, L, n)` rows to the memory order of a (seq-first or batch-first) tensor.
 fn to_order(y: Vec<f32>, [b, l, n]: [usize; 3], seq_first: bool) -> Vec<f32> {
-    if !seq_first {
-        return y;
+    if seq_first {
+        swap_outer(&y, [b, l, n])
+    } else {
+        y
     }
-    let mut out = vec![0.0; y.len()];
-    for bi in 0..b {
-        for li in 0..l {
-            out[(li * b + bi) * n..][..n].copy_from_slice(&y[(bi * l + li) * n..][..n]);
-        }
-    }
-    out
 }
 
 /// `C (m × n) = Aᵀ·B` for dense row-major `A (k × m)`, `B (k × n)`: a weight gradient.
@@ -186,7 +169,7 @@ impl Core {
             par: opts.par,
             backend: opts.backend,
         };
-        let x = [dense(query)?, dense(key)?, dense(value)?];
+        let x = [query.dense_ble()?, key.dense_ble()?, value.dense_ble()?];
         let lens = [lq, lk, lk];
         let mut proj: [Vec<f32>; 3] = Default::default();
         for p in 0..3 {
@@ -294,7 +277,7 @@ impl Core {
         masks.apply(&mut so);
         // dy to batch-first rows.
         let dyb = if tape.seq_first[0] {
-            to_order_back(dy, [b, lq, ew])
+            swap_outer(dy, [lq, b, ew])
         } else {
             dy.to_vec()
         };
@@ -363,15 +346,4 @@ impl Core {
         };
         Ok((grads, dx))
     }
-}
-
-/// Dense rows in `(L, B, n)` order back to `(B, L, n)`.
-fn to_order_back(y: &[f32], [b, l, n]: [usize; 3]) -> Vec<f32> {
-    let mut out = vec![0.0; y.len()];
-    for bi in 0..b {
-        for li in 0..l {
-            out[(bi * l + li) * n..][..n].copy_from_slice(&y[(li * b + bi) * n..][..n]);
-        }
-    }
-    out
 }
