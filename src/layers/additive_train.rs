@@ -8,11 +8,14 @@
 //! The `(B, Lq, Lk, A)` tensor of `t` is recomputed a row at a time, never stored.
 
 use super::additive::{AdditiveAttention, AdditiveOptions, AdditiveOutput};
-use super::mha::LayerGrads;
+use super::linear::{project, Exec};
+use super::mha::{a_b, at_b, LayerGrads};
 use super::tokens::swap_outer;
 use super::Tokens;
 use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
+use crate::gemm::Backend;
+use crate::options::Par;
 
 /// What [`AdditiveAttention::forward_train`] keeps: dense batch-first copies of the inputs and
 /// the output, the attention weights `(B, Lq, Lk)` (the layer's sequences are short: the
@@ -95,18 +98,21 @@ impl AdditiveAttention {
         let [xq, xk, xv] = &tape.x;
         let p = &tape.weights;
         // The projections, as the forward computed them (its bias is b_q + b_k, on q′).
+        // The projections, as the forward computed them (its bias is b_q + b_k, on q′).
         let proj = |x: &[f32], w: &[f32], bias: Option<&[f32]>, rows: usize, e: usize| {
-            let mut y = vec![0.0f32; rows * a];
-            for r in 0..rows {
-                for (c, yc) in y[r * a..(r + 1) * a].iter_mut().enumerate() {
-                    let dot: f32 = (0..e).map(|i| x[r * e + i] * w[c * e + i]).sum();
-                    *yc = dot + bias.map_or(0.0, |bb| bb[c]);
-                }
-            }
-            y
+            let mut y = zeros_for("projection", &[rows, a])?;
+            let xt = Tokens::ble(x, [1, rows, e]);
+            let exec = Exec {
+                par: Par::Seq,
+                backend: Backend::default(),
+            };
+            // SAFETY: `xt` is dense `rows × e`; `w` holds `a` rows of `e`; `y` is dense
+            // `rows × a` and overlaps neither.
+            unsafe { project(exec, &xt, w, e, a, bias, y.as_mut_ptr(), [rows * a, a]) };
+            Ok::<_, AttnError>(y)
         };
-        let qp = proj(xq, &self.w_q, self.bias.as_deref(), b * lq, dq);
-        let kp = proj(xk, &self.w_k, None, b * lk, dk);
+        let qp = proj(xq, &self.w_q, self.bias.as_deref(), b * lq, dq)?;
+        let kp = proj(xk, &self.w_k, None, b * lk, dk)?;
         let mut dqp = zeros_for("dq'", &[b, lq, a])?;
         let mut dkp = zeros_for("dk'", &[b, lk, a])?;
         let mut dvec = vec![0.0f32; a];
@@ -143,40 +149,13 @@ impl AdditiveAttention {
                 }
             }
         }
-        // dW = dP′ᵀ·X, dX = dP′·W.
-        let outer = |dp: &[f32], x: &[f32], rows: usize, e: usize| {
-            let mut w = vec![0.0f32; a * e];
-            for r in 0..rows {
-                for c in 0..a {
-                    let g = dp[r * a + c];
-                    if g != 0.0 {
-                        for i in 0..e {
-                            w[c * e + i] += g * x[r * e + i];
-                        }
-                    }
-                }
-            }
-            w
-        };
-        let back = |dp: &[f32], w: &[f32], rows: usize, e: usize| {
-            let mut x = vec![0.0f32; rows * e];
-            for r in 0..rows {
-                for c in 0..a {
-                    let g = dp[r * a + c];
-                    for i in 0..e {
-                        x[r * e + i] += g * w[c * e + i];
-                    }
-                }
-            }
-            x
-        };
         let db: Vec<f32> = (0..a)
             .map(|c| (0..b * lq).map(|r| dqp[r * a + c]).sum())
             .collect();
         let grads = AdditiveAttention::from_grads(
             self,
-            outer(&dqp, xq, b * lq, dq),
-            outer(&dkp, xk, b * lk, dk),
+            at_b(&dqp, xq, b * lq, a, dq)?,
+            at_b(&dkp, xk, b * lk, a, dk)?,
             db,
             dvec,
         );
@@ -188,8 +167,8 @@ impl AdditiveAttention {
             }
         };
         Ok(LayerGrads {
-            dquery: order(back(&dqp, &self.w_q, b * lq, dq), 0, lq, dq),
-            dkey: order(back(&dkp, &self.w_k, b * lk, dk), 1, lk, dk),
+            dquery: order(a_b(&dqp, &self.w_q, dq, b * lq, a, dq)?, 0, lq, dq),
+            dkey: order(a_b(&dkp, &self.w_k, dk, b * lk, a, dk)?, 1, lk, dk),
             dvalue: order(dvals, 2, lk, dv),
             params: grads.state_dict(""),
         })

@@ -10,6 +10,7 @@ mod train;
 pub(crate) use self::core::Core;
 pub use config::MhaConfig;
 pub use options::{Fusion, KeyPadding, LayerOutput, MhaMask, MhaOptions, Weights};
+pub(crate) use train::{a_b, at_b};
 pub use train::{LayerGrads, Tape};
 
 use super::init::{linear_bound, xavier_bound, InitRng};

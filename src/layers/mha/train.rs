@@ -74,7 +74,7 @@ fn to_order(y: Vec<f32>, [b, l, n]: [usize; 3], seq_first: bool) -> Vec<f32> {
 }
 
 /// `C (m × n) = Aᵀ·B` for dense row-major `A (k × m)`, `B (k × n)`: a weight gradient.
-fn at_b(a: &[f32], b: &[f32], k: usize, m: usize, n: usize) -> Result<Vec<f32>> {
+pub(crate) fn at_b(a: &[f32], b: &[f32], k: usize, m: usize, n: usize) -> Result<Vec<f32>> {
     let mut c = zeros_for("gradient", &[m, n])?;
     // SAFETY: dense row-major operands of the stated extents.
     unsafe {
@@ -100,7 +100,14 @@ fn at_b(a: &[f32], b: &[f32], k: usize, m: usize, n: usize) -> Result<Vec<f32>> 
 }
 
 /// `C (m × n) = A·B` for dense row-major `A (m × k)` and `B (k × n)` (row stride `ldb`).
-fn a_b(a: &[f32], b: &[f32], ldb: usize, m: usize, k: usize, n: usize) -> Result<Vec<f32>> {
+pub(crate) fn a_b(
+    a: &[f32],
+    b: &[f32],
+    ldb: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<Vec<f32>> {
     let mut c = zeros_for("gradient", &[m, n])?;
     // SAFETY: dense row-major operands of the stated extents (`b` rows `ldb` apart).
     unsafe {
@@ -126,7 +133,7 @@ fn a_b(a: &[f32], b: &[f32], ldb: usize, m: usize, k: usize, n: usize) -> Result
 }
 
 /// Column sums of dense `(rows × n)`: a bias gradient.
-fn col_sums(x: &[f32], n: usize) -> Vec<f32> {
+pub(crate) fn col_sums(x: &[f32], n: usize) -> Vec<f32> {
     let mut s = vec![0.0; n];
     for row in x.chunks_exact(n.max(1)) {
         s.iter_mut().zip(row).for_each(|(a, b)| *a += b);
