@@ -4,7 +4,8 @@
 Prints JSON lines, for 1 and 2 threads, each the median of --reps timed calls after two warm-up
 calls, float32, under torch.inference_mode():
   {"model":"minilm","impl","threads","batch","B","L","ms","attn_ms","attn_share","attn_fn"}
-      one batch of models/tests/data/minilm_reference.json (re-tokenised as there): transformer
+      one batch of models/tests/data/minilm_reference.json (re-tokenised as there), or the fourth,
+      long one built as models/examples/bench_minilm.rs does: transformer
       forward + mean pooling + L2 normalisation, tokenisation excluded; attn_ms is the time spent
       in attn_fn (scaled_dot_product_attention for impl "sdpa", BERT's eager_attention_forward
       for "eager"), attn_share its fraction of the call (median over reps).
@@ -76,6 +77,10 @@ def mean_pool_normalise(hidden, mask):
 def bench_minilm(model_dir, reference, threads, reps):
     with open(reference) as f:
         batches = [b["sentences"] for b in json.load(f)["batches"]]
+    # A fourth batch where attention weighs more, built as models/examples/bench_minilm.rs does:
+    # the longest reference sentence repeated 1..8 times (truncated at 256 tokens).
+    longest = max((s for b in batches for s in b), key=len)
+    batches.append([" ".join([longest] * k) for k in range(1, 9)])
     tok = AutoTokenizer.from_pretrained(model_dir)
     encs = [tok(s, padding=True, truncation=True, max_length=256, return_tensors="pt") for s in batches]
     targets = {

@@ -1589,3 +1589,50 @@ fn layer_backward_follows_the_input_memory_order() {
     assert_eq!(gs.input(), t(&g.input()));
     assert_eq!(gs.params, g.params);
 }
+
+/// `Linear::forward` against an f64 reference where the projection splits its output columns
+/// across tasks (fewer than four row blocks; `out_features` not a multiple of the split), with a
+/// bias, batch- and sequence-first inputs, on one and several threads (bitwise equal).
+#[test]
+fn linear_column_split_is_exact_and_thread_independent() {
+    let mut rng = SmallRng::seed_from_u64(19);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for (b, l, k, n) in [
+        (1, 1, 300, 700),
+        (2, 3, 37, 513),
+        (1, 300, 64, 1029),
+        (3, 5, 16, 257),
+    ] {
+        let w = randn(&mut rng, n * k, 0.3);
+        let bias = randn(&mut rng, n, 0.3);
+        let x = randn(&mut rng, b * l * k, 1.0);
+        let lin = Linear::new(w.clone(), Some(bias.clone()), n, k).unwrap();
+        for seq_first in [false, true] {
+            let t = if seq_first {
+                Tokens::lbe(&x, [l, b, k])
+            } else {
+                Tokens::ble(&x, [b, l, k])
+            };
+            let seq = lin.forward(&t, Par::Seq).unwrap();
+            let par = pool.install(|| lin.forward(&t, Par::Rayon)).unwrap();
+            assert_eq!(seq, par, "{b}x{l}x{k}→{n}: threads changed the result");
+            // Row r of the buffer is token r in the input's own memory order.
+            let want: Vec<f64> = (0..b * l)
+                .flat_map(|r| {
+                    let (x, w, bias) = (&x, &w, &bias);
+                    (0..n).map(move |c| {
+                        f64::from(bias[c])
+                            + (0..k)
+                                .map(|p| f64::from(x[r * k + p]) * f64::from(w[c * k + p]))
+                                .sum::<f64>()
+                    })
+                })
+                .collect();
+            let (err, bad, _) = compare(&seq, &want);
+            assert_eq!(bad, 0, "{b}x{l}x{k}→{n}: {bad} elements off (max {err:e})");
+        }
+    }
+}

@@ -167,7 +167,7 @@ impl Bert {
                 self.cfg.eps,
             );
             let mut f = apply(&layer.intermediate, &a, rows, par)?;
-            ops::gelu(&mut f);
+            ops::gelu(&mut f, par);
             x = apply(&layer.out, &f, rows, par)?;
             ops::add_into(&mut x, &a);
             ops::layer_norm(

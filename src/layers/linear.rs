@@ -1,5 +1,5 @@
 //! `nn.Linear` and the projection GEMM every layer uses: `Y = X·Wᵀ + b` over [`Tokens`] rows,
-//! split over rayon tasks by fixed row blocks.
+//! split over rayon tasks by fixed row blocks, and by column blocks when the rows are few.
 
 use super::init::{linear_bound, InitRng};
 use super::state_dict::{join, StateDict};
@@ -13,6 +13,13 @@ use crate::options::Par;
 /// with it every result, is the same on any pool. Large enough that each task amortises packing
 /// the weight matrix (which `matrixmultiply` does once per call).
 const ROW_BLOCK: usize = 256;
+
+/// Output columns per task when a call has fewer than [`MIN_TASKS`] row blocks (a short
+/// batch, a decode step): without a column split such a call runs on one thread. Fixed like
+/// [`ROW_BLOCK`]; the split changes no element's sum (each is still one dot product over `k`
+/// in the same order), only which task computes it.
+const COL_BLOCK: usize = 256;
+const MIN_TASKS: usize = 4;
 
 /// How a layer runs its GEMMs.
 #[derive(Clone, Copy, Debug)]
@@ -60,25 +67,36 @@ pub(crate) unsafe fn project(
         (b, l, xb, xl, ys[0], ys[1])
     };
     let blocks = rows.div_ceil(ROW_BLOCK);
+    let col_blocks = if mats * blocks >= MIN_TASKS {
+        1
+    } else {
+        n.div_ceil(COL_BLOCK)
+    };
+    let cols = n.div_ceil(col_blocks);
     let (xp, wp, yp) = (
         SendConst(x.data.as_ptr()),
         SendConst(w.as_ptr()),
         SendPtr(y),
     );
     let work = b.saturating_mul(l).saturating_mul(k).saturating_mul(n);
-    run_tasks(exec.par, mats * blocks, work, |t| {
-        let (mat, blk) = (t / blocks, t % blocks);
-        let r0 = blk * ROW_BLOCK;
-        let m = ROW_BLOCK.min(rows - r0);
-        // SAFETY: rows `r0..r0+m` of matrix `mat` exist in `x` and `y` per the contract; the
-        // tasks' row ranges are disjoint, so their writes to `y` are too.
+    run_tasks(exec.par, mats * blocks * col_blocks, work, |t| {
+        let (mat, blk, cb) = (
+            t / (blocks * col_blocks),
+            t / col_blocks % blocks,
+            t % col_blocks,
+        );
+        let (r0, c0) = (blk * ROW_BLOCK, cb * cols);
+        let (m, nc) = (ROW_BLOCK.min(rows - r0), cols.min(n - c0));
+        // SAFETY: rows `r0..r0+m` of matrix `mat` exist in `x` and `y`, and columns
+        // `c0..c0+nc` in `w` (rows of it), `bias` and `y`, per the contract; the tasks' (row,
+        // column) ranges are disjoint, so their writes to `y` are too.
         unsafe {
             let a = xp.get().add(mat * xo + r0 * xr);
-            let c = yp.get().add(mat * yo + r0 * yr);
+            let c = yp.get().add(mat * yo + r0 * yr + c0);
             let beta = match bias {
                 Some(bias) => {
                     for i in 0..m {
-                        core::ptr::copy_nonoverlapping(bias.as_ptr(), c.add(i * yr), n);
+                        core::ptr::copy_nonoverlapping(bias.as_ptr().add(c0), c.add(i * yr), nc);
                     }
                     1.0
                 }
@@ -87,7 +105,7 @@ pub(crate) unsafe fn project(
             if k == 0 {
                 if beta == 0.0 {
                     for i in 0..m {
-                        core::slice::from_raw_parts_mut(c.add(i * yr), n).fill(0.0);
+                        core::slice::from_raw_parts_mut(c.add(i * yr), nc).fill(0.0);
                     }
                 }
                 return;
@@ -96,12 +114,12 @@ pub(crate) unsafe fn project(
                 exec.backend,
                 m,
                 k,
-                n,
+                nc,
                 1.0,
                 a,
                 xr as isize,
                 1,
-                wp.get(),
+                wp.get().add(c0 * ldw),
                 1,
                 ldw as isize,
                 beta,
