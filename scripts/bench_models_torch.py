@@ -3,13 +3,13 @@
 
 Prints JSON lines, for 1 and 2 threads, each the median of --reps timed calls after two warm-up
 calls, float32, under torch.inference_mode():
-  {"model":"minilm","impl","threads","batch","B","L","ms","attn_ms","attn_share","attn_fn"}
+  {"model":"minilm","impl" (transformers-sdpa|eager),"threads","batch","B","L","ms","attn_ms","attn_share","attn_fn"}
       one batch of models/tests/data/minilm_reference.json (re-tokenised as there), or the fourth,
       long one built as models/examples/bench_minilm.rs does: transformer
       forward + mean pooling + L2 normalisation, tokenisation excluded; attn_ms is the time spent
       in attn_fn (scaled_dot_product_attention for impl "sdpa", BERT's eager_attention_forward
       for "eager"), attn_share its fraction of the call (median over reps).
-  {"model":"llama","threads","prompt_len","prefill_tok_s","decode_tok_s"}
+  {"model":"llama","impl","threads","prompt_len","prefill_tok_s","decode_tok_s"}
       the tiny Llama with sdpa attention, batch 1: prefill = one forward over the prompt with a
       fresh cache; decode = 64 greedy steps of one token with the cache, after an untimed prefill.
       Prompts: the two of reference.json and a 512-token one of random ids.
@@ -107,7 +107,7 @@ def bench_minilm(model_dir, reference, threads, reps):
                     share.append(timer.total / total)
             B, L = enc["input_ids"].shape
             print(json.dumps({
-                "model": "minilm", "impl": impl, "threads": threads, "batch": i, "B": B, "L": L,
+                "model": "minilm", "impl": f"transformers-{impl}", "threads": threads, "batch": i, "B": B, "L": L,
                 "ms": round(ms, 4), "attn_ms": round(statistics.median(attn) * 1e3, 4),
                 "attn_share": round(statistics.median(share), 4), "attn_fn": f"{module.__name__}.{name}",
             }), flush=True)
@@ -138,7 +138,7 @@ def bench_llama(llama_dir, threads, reps):
             decode()
         decode_s = statistics.median([decode() for _ in range(reps)])
         print(json.dumps({
-            "model": "llama", "threads": threads, "prompt_len": len(prompt),
+            "model": "llama", "impl": "transformers-sdpa", "threads": threads, "prompt_len": len(prompt),
             "prefill_tok_s": round(len(prompt) / prefill_s, 1),
             "decode_tok_s": round(DECODE_STEPS / decode_s, 1),
         }), flush=True)

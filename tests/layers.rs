@@ -1591,21 +1591,26 @@ fn layer_backward_follows_the_input_memory_order() {
 }
 
 /// `Linear::forward` against an f64 reference where the projection splits its output columns
-/// across tasks (fewer than four row blocks; `out_features` not a multiple of the split), with a
-/// bias, batch- and sequence-first inputs, on one and several threads (bitwise equal).
+/// across tasks (fewer than four row blocks; `out_features` not a multiple of the split) and
+/// where a few rows skip the GEMM, with a bias, batch- and sequence-first inputs, on one and
+/// several threads (bitwise equal).
 #[test]
-fn linear_column_split_is_exact_and_thread_independent() {
+fn linear_column_split_and_skinny_rows_are_exact_and_thread_independent() {
     let mut rng = SmallRng::seed_from_u64(19);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(3)
         .build()
         .unwrap();
-    for (b, l, k, n) in [
+    // Four rows or fewer per task take the packing-free path (`rows_dot`), more the GEMM.
+    let shapes = [
         (1, 1, 300, 700),
+        (4, 1, 33, 300),
+        (1, 3, 17, 5),
         (2, 3, 37, 513),
         (1, 300, 64, 1029),
         (3, 5, 16, 257),
-    ] {
+    ];
+    for (b, l, k, n) in shapes {
         let w = randn(&mut rng, n * k, 0.3);
         let bias = randn(&mut rng, n, 0.3);
         let x = randn(&mut rng, b * l * k, 1.0);

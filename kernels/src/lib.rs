@@ -25,6 +25,7 @@ mod decode;
 mod elem;
 mod flash;
 mod gemm;
+mod gemv;
 mod heads;
 mod isa;
 pub mod reference;
@@ -400,6 +401,42 @@ pub fn matmul(
     for i in 0..m {
         c[i * ldc..i * ldc + n].copy_from_slice(&cp[i * np..i * np + n]);
     }
+}
+
+isa_fn!(rows_dot_isa(m: usize, k: usize, n: usize, x: *const f32, ldx: usize, w: *const f32, ldw: usize, y: *mut f32, ldy: usize, accumulate: bool) => gemv::rows_dot);
+
+/// The most rows of X for which [`rows_dot`] beats a packing GEMM (measured: a decode step's
+/// projections, one to four tokens).
+pub const SKINNY_ROWS: usize = 4;
+
+/// `Y = X·Wᵀ` for a few rows of X, without packing: `y[r·ldy + c] = Σ_{p<k} x[r·ldx + p]·
+/// w[c·ldw + p]` for `r < m`, `c < n` (plus the old `y` with `accumulate`). Row-major X and W,
+/// as `nn.Linear` stores its weight. Any `m` works; past [`SKINNY_ROWS`] a GEMM is faster.
+///
+/// # Panics
+/// If `isa` is not supported by this CPU.
+///
+/// # Safety
+/// `x` is readable for `m` rows of `k` (stride `ldx`), `w` for `n` rows of `k` (stride `ldw`),
+/// `y` writable (and readable with `accumulate`) at every `r·ldy + c`, and `y`'s elements overlap
+/// neither `x`, `w`, nor anything another thread touches meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows_dot(
+    isa: Isa,
+    m: usize,
+    k: usize,
+    n: usize,
+    x: *const f32,
+    ldx: usize,
+    w: *const f32,
+    ldw: usize,
+    y: *mut f32,
+    ldy: usize,
+    accumulate: bool,
+) {
+    assert!(isa.is_supported(), "{isa} is not supported on this CPU");
+    // SAFETY: forwarded contract; the ISA is supported (asserted).
+    unsafe { rows_dot_isa(isa, m, k, n, x, ldx, w, ldw, y, ldy, accumulate) }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -19,6 +19,28 @@ pub fn softmax_row(x: &[f64]) -> Vec<f64> {
     e.iter().map(|v| v / s).collect()
 }
 
+/// `Y[m × n] = X[m × k] · Wᵀ` in f64, `W` being `n × k` row-major (the spec of
+/// [`crate::rows_dot`]).
+pub fn rows_dot(
+    m: usize,
+    k: usize,
+    n: usize,
+    x: &[f32],
+    ldx: usize,
+    w: &[f32],
+    ldw: usize,
+) -> Vec<f64> {
+    (0..m)
+        .flat_map(|r| {
+            (0..n).map(move |c| {
+                (0..k)
+                    .map(|p| x[r * ldx + p] as f64 * w[c * ldw + p] as f64)
+                    .sum()
+            })
+        })
+        .collect()
+}
+
 /// `C[m × n] = A[m × k] · B[k × n]` in f64 (row-major with leading dimensions).
 pub fn matmul(
     m: usize,

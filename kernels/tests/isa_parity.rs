@@ -514,3 +514,67 @@ fn range_spec(lo: usize, hi: usize, n: usize) -> ScoreSpec {
         ..ScoreSpec::new(n)
     }
 }
+
+#[test]
+fn rows_dot_matches_f64() {
+    let mut rng = SmallRng::seed_from_u64(41);
+    for isa in isas() {
+        for m in [1, 2, 3, 4, 5] {
+            for (k, n) in [
+                (1, 1),
+                (15, 3),
+                (16, 4),
+                (17, 9),
+                (64, 7),
+                (100, 33),
+                (384, 5),
+            ] {
+                let (ldx, ldw, ldy) = (k + 3, k + 1, n + 2);
+                let x: Vec<f32> = (0..m * ldx).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                let w: Vec<f32> = (0..n * ldw).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                let want = reference::rows_dot(m, k, n, &x, ldx, &w, ldw);
+                let old: Vec<f32> = (0..m * ldy).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                for accumulate in [false, true] {
+                    let mut y = old.clone();
+                    // SAFETY: the buffers hold m rows of ldx ≥ k, n rows of ldw ≥ k, and m rows
+                    // of ldy ≥ n.
+                    unsafe {
+                        attnkit_kernels::rows_dot(
+                            isa,
+                            m,
+                            k,
+                            n,
+                            x.as_ptr(),
+                            ldx,
+                            w.as_ptr(),
+                            ldw,
+                            y.as_mut_ptr(),
+                            ldy,
+                            accumulate,
+                        )
+                    };
+                    for r in 0..m {
+                        for c in 0..ldy {
+                            let got = y[r * ldy + c];
+                            if c >= n {
+                                assert_eq!(got, old[r * ldy + c], "{isa}: wrote past column {n}");
+                                continue;
+                            }
+                            let base = if accumulate {
+                                old[r * ldy + c] as f64
+                            } else {
+                                0.0
+                            };
+                            let want = base + want[r * n + c];
+                            let tol = 1e-6 * (k as f64).sqrt() * (1.0 + want.abs());
+                            assert!(
+                                (got as f64 - want).abs() <= tol,
+                                "{isa} m={m} k={k} n={n} acc={accumulate} ({r},{c}): {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

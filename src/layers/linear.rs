@@ -8,6 +8,7 @@ use crate::alloc::zeros_for;
 use crate::error::{AttnError, Result};
 use crate::gemm::{sgemm, Backend};
 use crate::options::Par;
+use attnkit_kernels::{rows_dot, Isa, SKINNY_ROWS};
 
 /// Rows per projection task. Fixed (never derived from the thread count), so the split, and
 /// with it every result, is the same on any pool. Large enough that each task amortises packing
@@ -20,6 +21,13 @@ const ROW_BLOCK: usize = 256;
 /// in the same order), only which task computes it.
 const COL_BLOCK: usize = 256;
 const MIN_TASKS: usize = 4;
+
+/// Whether an `m`-row product goes through the packing-free [`rows_dot`] instead of the GEMM:
+/// for a few rows with `matrixmultiply`, which packs all of W on every call (a decode step's
+/// projections ran 9× slower than through OpenBLAS). OpenBLAS has its own skinny paths.
+fn skinny(backend: Backend, m: usize) -> bool {
+    backend == Backend::MatrixMultiply && m <= SKINNY_ROWS
+}
 
 /// How a layer runs its GEMMs.
 #[derive(Clone, Copy, Debug)]
@@ -79,6 +87,8 @@ pub(crate) unsafe fn project(
         SendPtr(y),
     );
     let work = b.saturating_mul(l).saturating_mul(k).saturating_mul(n);
+    // An invalid `ATTNKIT_ISA` is reported by the attention calls; the projection need not fail.
+    let isa = Isa::detect().unwrap_or_else(|_| Isa::best());
     run_tasks(exec.par, mats * blocks * col_blocks, work, |t| {
         let (mat, blk, cb) = (
             t / (blocks * col_blocks),
@@ -109,6 +119,23 @@ pub(crate) unsafe fn project(
                     }
                 }
                 return;
+            }
+            if skinny(exec.backend, m) {
+                // SAFETY: as for the GEMM below: `m` rows of `x` (unit column stride), `nc`
+                // rows of `w`, the task's own block of `y`.
+                return rows_dot(
+                    isa,
+                    m,
+                    k,
+                    nc,
+                    a,
+                    xr,
+                    wp.get().add(c0 * ldw),
+                    ldw,
+                    c,
+                    yr,
+                    beta != 0.0,
+                );
             }
             sgemm(
                 exec.backend,
