@@ -17,15 +17,15 @@
 use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
 use crate::exec::{run_tasks, SendPtr};
-use crate::gemm::{sgemm, Backend};
 use crate::options::{Extras, SdpaOptions};
 use crate::plan::{off, used_strides, Plan};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::{apply_scores, exp2_slice, ScoreSpec};
+use attnkit_kernels::{apply_scores, exp2_slice, tile_gemm, ScoreSpec};
 use std::sync::Mutex;
 
-/// Query rows and keys per tile. 128 measured 15–25 % faster than 64 (fewer, larger GEMMs for
-/// matrixmultiply to pack; `examples/backward_bench.rs`, two builds alternated).
+/// Query rows and keys per tile. 128 and 64 measured level on the unpacked tile products
+/// (`examples/backward_bench.rs`, two builds alternated); 128 halves the per-tile bookkeeping and
+/// the number of Kᵀ/Vᵀ blocks.
 const BLOCK: usize = 128;
 
 /// From this many (batch, KV head) pairs on, one task per pair computes all three gradients in
@@ -142,7 +142,7 @@ pub fn sdpa_backward(
     // key block); then dQ: one task per (batch, query head, query block), recomputing the tiles.
     run_tasks(opts.par, s.b * s.hkv * kblocks, work, |t| {
         let (bh, kb) = (t / kblocks, t % kblocks);
-        let r = Scratch::new(s.d, s.dv).map(|mut sc| {
+        let r = Scratch::new(b.dp, b.dvp).map(|mut sc| {
             // SAFETY: the task writes key rows of block `kb` of KV head `bh % Hkv` of batch
             // `bh / Hkv` in dk and dv, disjoint from every other task's (checked disjoint views).
             unsafe {
@@ -351,32 +351,66 @@ pub fn sinks_gradient(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Resul
     Ok(grad)
 }
 
-/// A task's scratch: the probabilities and dP/dS tiles (`BLOCK²` each) and the accumulators
-/// (`BLOCK × D`, `BLOCK × Dv`).
+/// A task's scratch: the probabilities and dP/dS tiles (`BLOCK²` each, row stride `BLOCK`), the
+/// dK and dV accumulators (`BLOCK × Dp`, `BLOCK × Dvp`: widths rounded up to whole vectors, as
+/// the micro-kernel writes them) and one `BLOCK × Dp` product of `dS·K`.
 struct Scratch {
     buf: Vec<f32>,
-    d: usize,
+    dp: usize,
+    dvp: usize,
 }
 
 impl Scratch {
-    fn len(d: usize, dv: usize) -> usize {
+    fn len(dp: usize, dvp: usize) -> usize {
         (2 * BLOCK * BLOCK)
-            .saturating_add(BLOCK.saturating_mul(d))
-            .saturating_add(BLOCK.saturating_mul(dv))
+            .saturating_add(BLOCK.saturating_mul(dp).saturating_mul(2))
+            .saturating_add(BLOCK.saturating_mul(dvp))
     }
-    fn new(d: usize, dv: usize) -> Result<Self> {
+    fn new(dp: usize, dvp: usize) -> Result<Self> {
         Ok(Scratch {
-            buf: try_zeros("scratch", Self::len(d, dv))?,
-            d,
+            buf: try_zeros("scratch", Self::len(dp, dvp))?,
+            dp,
+            dvp,
         })
     }
-    /// `(P, dS, acc_d, acc_dv)`.
-    fn parts(&mut self) -> (&mut [f32], &mut [f32], &mut [f32], &mut [f32]) {
+    /// The scratch's parts.
+    fn parts(&mut self) -> Tiles<'_> {
         let (p, rest) = self.buf.split_at_mut(BLOCK * BLOCK);
         let (ds, rest) = rest.split_at_mut(BLOCK * BLOCK);
-        let (ad, adv) = rest.split_at_mut(BLOCK * self.d);
-        (p, ds, ad, adv)
+        let (acc_k, rest) = rest.split_at_mut(BLOCK * self.dp);
+        let (acc_v, dsk) = rest.split_at_mut(BLOCK * self.dvp);
+        Tiles {
+            p,
+            ds,
+            acc_k,
+            acc_v,
+            dsk,
+        }
     }
+}
+
+/// [`Scratch`] split: `P`, `dS` (row stride `BLOCK`), the dK and dV accumulators, `dS·K`.
+struct Tiles<'a> {
+    p: &'a mut [f32],
+    ds: &'a mut [f32],
+    acc_k: &'a mut [f32],
+    acc_v: &'a mut [f32],
+    dsk: &'a mut [f32],
+}
+
+/// The tile products' operands in the layouts the micro-kernel reads ([`tile_gemm`]: B
+/// row-major and whole vectors wide): Kᵀ and Vᵀ of every key block, transposed once for all the
+/// query tiles that read them, and lane-padded copies of K, Q and dO where `D` or `Dv` is not a
+/// multiple of the vector width (else they are read in place). Memory: about K and V again.
+struct Packed {
+    /// `(B, Hkv, key blocks, D, BLOCK)`, zero past each block's keys.
+    kt: Vec<f32>,
+    /// `(B, Hkv, key blocks, Dv, BLOCK)`.
+    vt: Vec<f32>,
+    /// `(B, Hkv, Lk, Dp)`, `(B, Hq, Lq, Dp)`, `(B, Hq, Lq, Dvp)` when padding is needed.
+    k: Option<Vec<f32>>,
+    q: Option<Vec<f32>>,
+    d_o: Option<Vec<f32>>,
 }
 
 /// The validated call, shared by the tasks.
@@ -386,7 +420,10 @@ struct Bwd<'p> {
     o: (*const f32, [usize; 3]),
     d_o: (*const f32, [usize; 3]),
     lse: *const f32,
-    backend: Backend,
+    packed: Packed,
+    /// `D` and `Dv` rounded up to the ISA's vector width.
+    dp: usize,
+    dvp: usize,
 }
 
 // SAFETY: the pointers come from borrows that outlive the call; inputs are only read, and each
@@ -400,12 +437,15 @@ fn block(blk: usize, len: usize) -> (usize, usize) {
 }
 
 impl<'p> Bwd<'p> {
-    /// The shared state of a validated call (one task's scratch tried first).
+    /// The shared state of a validated call (one task's scratch tried first), with the packed
+    /// operands.
     fn new(plan: &'p Plan, saved: &Saved, dout: &Tensor) -> Result<Self> {
         let s = plan.shape;
-        drop(try_zeros::<f32>("scratch", Scratch::len(s.d, s.dv))?);
+        let w = plan.isa.lanes();
+        let (dp, dvp) = (s.d.div_ceil(w) * w, s.dv.div_ceil(w) * w);
+        drop(try_zeros::<f32>("scratch", Scratch::len(dp, dvp))?);
         let out = &saved.out;
-        Ok(Bwd {
+        let mut b = Bwd {
             plan,
             o: (
                 out.data.as_ptr(),
@@ -416,8 +456,117 @@ impl<'p> Bwd<'p> {
                 used_strides(s.dv, dout.shape, dout.strides),
             ),
             lse: saved.lse.as_ptr(),
-            backend: Backend::MatrixMultiply,
+            packed: Packed {
+                kt: Vec::new(),
+                vt: Vec::new(),
+                k: None,
+                q: None,
+                d_o: None,
+            },
+            dp,
+            dvp,
+        };
+        b.packed = b.pack()?;
+        Ok(b)
+    }
+
+    /// Builds [`Packed`] from the validated views.
+    fn pack(&self) -> Result<Packed> {
+        let pl = self.plan;
+        let s = pl.shape;
+        let kblocks = s.lk.div_ceil(BLOCK);
+        let heads = checked_len("k", &[s.b, s.hkv, kblocks, BLOCK])?;
+        let mut kt = try_zeros::<f32>("k", checked_len("k", &[heads, s.d])?)?;
+        let mut vt = try_zeros::<f32>("v", checked_len("v", &[heads, s.dv])?)?;
+        for b in 0..s.b {
+            for hk in 0..s.hkv {
+                for j in 0..s.lk {
+                    let (kb, jj) = (j / BLOCK, j % BLOCK);
+                    let blk = (b * s.hkv + hk) * kblocks + kb;
+                    // SAFETY: row `j` of KV head `hk` of batch `b` of validated K and V views
+                    // (D and Dv contiguous values).
+                    let (kr, vr) = unsafe {
+                        (
+                            core::slice::from_raw_parts(pl.k.add(off(pl.ks, b, hk, j)), s.d),
+                            core::slice::from_raw_parts(pl.v.add(off(pl.vs, b, hk, j)), s.dv),
+                        )
+                    };
+                    for (c, &x) in kr.iter().enumerate() {
+                        kt[(blk * s.d + c) * BLOCK + jj] = x;
+                    }
+                    for (c, &x) in vr.iter().enumerate() {
+                        vt[(blk * s.dv + c) * BLOCK + jj] = x;
+                    }
+                }
+            }
+        }
+        // A lane-padded dense copy of the `(B, H, L, width)` rows of a view at `base`, strides
+        // `st`.
+        let padded = |arg: &'static str,
+                      [h, l, width, wp]: [usize; 4],
+                      (base, st): (*const f32, [usize; 3])|
+         -> Result<Option<Vec<f32>>> {
+            if width == wp {
+                return Ok(None);
+            }
+            let mut buf = try_zeros::<f32>(arg, checked_len(arg, &[s.b, h, l, wp])?)?;
+            for (r, dst) in buf.chunks_exact_mut(wp.max(1)).enumerate() {
+                let (b, hh, i) = (r / (h * l), r / l % h, r % l);
+                // SAFETY: row `i` of head `hh` of batch `b` of a validated view of this shape:
+                // `width` contiguous values.
+                let src =
+                    unsafe { core::slice::from_raw_parts(base.add(off(st, b, hh, i)), width) };
+                dst[..width].copy_from_slice(src);
+            }
+            Ok(Some(buf))
+        };
+        Ok(Packed {
+            kt,
+            vt,
+            k: padded("k", [s.hkv, s.lk, s.d, self.dp], (pl.k, pl.ks))?,
+            q: padded("q", [s.hq, s.lq, s.d, self.dp], (pl.q, pl.qs))?,
+            d_o: padded("dout", [s.hq, s.lq, s.dv, self.dvp], self.d_o)?,
         })
+    }
+
+    /// Row `i` of query head `h` of batch `b` of Q (`dout`: of dO) as a B operand: pointer and
+    /// row stride, lane-padded.
+    ///
+    /// # Safety
+    /// Indices in range.
+    unsafe fn rows_q(&self, b: usize, h: usize, i: usize, dout: bool) -> (*const f32, usize) {
+        let (pl, s) = (self.plan, &self.plan.shape);
+        let (padded, wp) = if dout {
+            (&self.packed.d_o, self.dvp)
+        } else {
+            (&self.packed.q, self.dp)
+        };
+        // SAFETY: indices in range of the padded copy or the validated view.
+        unsafe {
+            match padded {
+                Some(buf) => (buf.as_ptr().add(((b * s.hq + h) * s.lq + i) * wp), wp),
+                None if dout => (self.d_o.0.add(off(self.d_o.1, b, h, i)), self.d_o.1[2]),
+                None => (pl.q.add(off(pl.qs, b, h, i)), pl.qs[2]),
+            }
+        }
+    }
+
+    /// Row `j` of KV head `hk` of batch `b` of K as a B operand, lane-padded.
+    ///
+    /// # Safety
+    /// Indices in range.
+    unsafe fn rows_k(&self, b: usize, hk: usize, j: usize) -> (*const f32, usize) {
+        let (pl, s) = (self.plan, &self.plan.shape);
+        // SAFETY: indices in range of the padded copy or the validated view.
+        unsafe {
+            match &self.packed.k {
+                Some(buf) => (
+                    buf.as_ptr().add(((b * s.hkv + hk) * s.lk + j) * self.dp),
+                    self.dp,
+                ),
+                None => (pl.k.add(off(pl.ks, b, hk, j)), pl.ks[2]),
+            }
+        }
     }
 
     /// `D = rowsum(dO ∘ O)` of every row, dense `(B, Hq, Lq)`.
@@ -450,8 +599,8 @@ impl<'p> Bwd<'p> {
     ) -> Result<()> {
         let pl = self.plan;
         let s = &pl.shape;
-        let mut sc = Scratch::new(s.d, s.dv)?;
-        let (p, ds, _, _) = sc.parts();
+        let mut sc = Scratch::new(self.dp, self.dvp)?;
+        let Tiles { p, ds, .. } = sc.parts();
         let batches = if bs[0] == 1 { 0..s.b } else { ib..ib + 1 };
         let heads = if bs[1] == 1 { 0..s.hq } else { ih..ih + 1 };
         let qblocks = if bs[2] == 1 {
@@ -479,7 +628,7 @@ impl<'p> Bwd<'p> {
                             let at = ((ib * bs[1] + ih) * bs[2] + row) * s.lk + j0;
                             for c in 0..n {
                                 // SAFETY: row `row` of this task's (batch, head), key `j0 + c`.
-                                unsafe { *grad.get().add(at + c) += ds[r * n + c] };
+                                unsafe { *grad.get().add(at + c) += ds[r * BLOCK + c] };
                             }
                         }
                     }
@@ -517,13 +666,13 @@ impl<'p> Bwd<'p> {
         lo < j0 + n && hi > j0 && lo < hi
     }
 
-    /// Scores of query rows `i0..i0+m` of head `h` against keys `j0..j0+n` of KV head `hk`,
-    /// turned into probabilities `P` (row stride `n`) in `p` and `dS = P ∘ (dP − D)` (times the
+    /// Scores of query rows `i0..i0+m` of head `h` against keys `j0..j0+n` (key block `kb`) of
+    /// KV head `hk`, turned into probabilities `P` in `p` and `dS = P ∘ (dP − D)` (times the
     /// softcap's derivative, unless `raw`: then `dS` by the logit, what the bias gets) in `ds`,
-    /// for batch `b`.
+    /// for batch `b`; both with row stride `BLOCK`, the columns past `n` unspecified.
     ///
     /// # Safety
-    /// Indices in range; `p` and `ds` hold `m·n` values.
+    /// Indices in range; `p` and `ds` hold `BLOCK²` values.
     #[allow(clippy::too_many_arguments)]
     unsafe fn tile(
         &self,
@@ -540,49 +689,46 @@ impl<'p> Bwd<'p> {
         let pl = self.plan;
         let s = &pl.shape;
         let spec = pl.spec(b, h, i0);
-        let (n_i, n_j) = (n as isize, 1isize);
-        // SAFETY: (both GEMMs) operands are rows of validated views (D or Dv contiguous values
-        // at the row offsets) and the scratch tiles of `m·n` values.
+        let w = pl.isa.lanes();
+        let blk = (b * s.hkv + hk) * s.lk.div_ceil(BLOCK) + j0 / BLOCK;
+        // SAFETY: (both products) Q and dO rows `i0..i0+m` of validated views (A, by broadcast),
+        // the packed Kᵀ and Vᵀ of this key block (B: D or Dv rows of BLOCK ≥ n rounded up to
+        // the width), and the tiles (C: m rows of BLOCK).
         unsafe {
             let q = pl.q.add(off(pl.qs, b, h, i0));
-            let k = pl.k.add(off(pl.ks, b, hk, j0));
-            let v = pl.v.add(off(pl.vs, b, hk, j0));
             let dout = self.d_o.0.add(off(self.d_o.1, b, h, i0));
-            // S = scale·Q·Kᵀ.
-            sgemm(
-                self.backend,
+            let kt = self.packed.kt.as_ptr().add(blk * s.d * BLOCK);
+            let vt = self.packed.vt.as_ptr().add(blk * s.dv * BLOCK);
+            let nvec = n.div_ceil(w);
+            // S = Q·Kᵀ (scaled below, row by row), dP = dO·Vᵀ.
+            tile_gemm(
+                pl.isa,
                 m,
+                nvec,
                 s.d,
-                n,
-                pl.scale,
                 q,
-                pl.qs[2] as isize,
+                pl.qs[2],
                 1,
-                k,
-                1,
-                pl.ks[2] as isize,
-                0.0,
+                kt,
+                BLOCK,
                 p.as_mut_ptr(),
-                n_i,
-                n_j,
+                BLOCK,
+                false,
             );
-            // dP = dO·Vᵀ.
-            sgemm(
-                self.backend,
+            let ldo = self.d_o.1[2];
+            tile_gemm(
+                pl.isa,
                 m,
+                nvec,
                 s.dv,
-                n,
-                1.0,
                 dout,
-                self.d_o.1[2] as isize,
+                ldo,
                 1,
-                v,
-                1,
-                pl.vs[2] as isize,
-                0.0,
+                vt,
+                BLOCK,
                 ds.as_mut_ptr(),
-                n_i,
-                n_j,
+                BLOCK,
+                false,
             );
         }
         let row_base = (b * s.hq + h) * s.lq + i0;
@@ -592,12 +738,14 @@ impl<'p> Bwd<'p> {
                 // SAFETY: `row_base + r` is a row of the dense `(B, Hq, Lq)` lse.
                 let l = unsafe { *self.lse.add(row_base + r) };
                 let dr = delta[row_base + r];
-                let (pr, dsr) = (&mut p[r * n..(r + 1) * n], &mut ds[r * n..(r + 1) * n]);
+                let row = r * BLOCK..r * BLOCK + n;
+                let (pr, dsr) = (&mut p[row.clone()], &mut ds[row]);
                 if l == f32::NEG_INFINITY {
                     pr.fill(0.0);
                     dsr.fill(0.0);
                     continue;
                 }
+                pr.iter_mut().for_each(|x| *x *= pl.scale);
                 // SAFETY: the spec's mask and bias rows are readable for keys `< j0 + n ≤ Lk`
                 // (validated views); the plan's ISA is supported.
                 unsafe { apply_scores(pl.isa, &spec, r, j0, pr) };
@@ -615,12 +763,12 @@ impl<'p> Bwd<'p> {
             let l = unsafe { *self.lse.add(row_base + r) };
             let dr = delta[row_base + r];
             let (lo, hi) = spec.visible_range(r);
-            let row = r * n..(r + 1) * n;
+            let row = r * BLOCK..r * BLOCK + n;
             let (pr, dsr) = (&mut p[row.clone()], &mut ds[row]);
             for c in 0..n {
                 let j = j0 + c;
                 // SAFETY: mask and bias rows of validated, in-bounds views at key `j < Lk`.
-                let logit = unsafe { logit(&spec, r, j, lo, hi, pr[c]) };
+                let logit = unsafe { logit(&spec, r, j, lo, hi, pr[c] * pl.scale) };
                 let (pv, dv) = match logit {
                     Some((x, deriv)) if l != f32::NEG_INFINITY => {
                         let pv = (x - l).exp();
@@ -632,6 +780,43 @@ impl<'p> Bwd<'p> {
                 pr[c] = pv;
                 dsr[c] = dv;
             }
+        }
+    }
+
+    /// `dS·K` of one tile into `out` (`m × Dp`, replaced): what the tile adds to dQ, before the
+    /// scale.
+    ///
+    /// # Safety
+    /// Indices in range; `ds` is the tile's dS (row stride `BLOCK`), `out` holds `m·Dp` values.
+    unsafe fn ds_k(
+        &self,
+        b: usize,
+        hk: usize,
+        (j0, n): (usize, usize),
+        m: usize,
+        ds: &[f32],
+        out: &mut [f32],
+    ) {
+        let pl = self.plan;
+        // SAFETY: dS read by broadcast over its `n` keys; K rows `j0..j0+n` lane-padded
+        // ([`Self::rows_k`]); `out` holds `m` rows of `Dp`.
+        unsafe {
+            let (k, ldk) = self.rows_k(b, hk, j0);
+            let nvec = self.dp / pl.isa.lanes();
+            tile_gemm(
+                pl.isa,
+                m,
+                nvec,
+                n,
+                ds.as_ptr(),
+                BLOCK,
+                1,
+                k,
+                ldk,
+                out.as_mut_ptr(),
+                self.dp,
+                false,
+            );
         }
     }
 
@@ -650,7 +835,7 @@ impl<'p> Bwd<'p> {
         dv: (SendPtr, [usize; 3]),
     ) -> Result<()> {
         let s = &self.plan.shape;
-        let mut sc = Scratch::new(s.d, s.dv)?;
+        let mut sc = Scratch::new(self.dp, self.dvp)?;
         let group = s.hq / s.hkv;
         for h in hk * group..(hk + 1) * group {
             for i in 0..s.lq {
@@ -684,9 +869,17 @@ impl<'p> Bwd<'p> {
     ) -> Result<()> {
         let pl = self.plan;
         let s = &pl.shape;
+        let w = pl.isa.lanes();
+        let (dp, dvp) = (self.dp, self.dvp);
         let (j0, n) = block(kb, s.lk);
-        let (p, ds, acc_k, acc_v) = sc.parts();
-        let (acc_k, acc_v) = (&mut acc_k[..n * s.d], &mut acc_v[..n * s.dv]);
+        let Tiles {
+            p,
+            ds,
+            acc_k,
+            acc_v,
+            dsk,
+        } = sc.parts();
+        let (acc_k, acc_v) = (&mut acc_k[..n * dp], &mut acc_v[..n * dvp]);
         acc_k.fill(0.0);
         acc_v.fill(0.0);
         let group = s.hq / s.hkv;
@@ -696,81 +889,77 @@ impl<'p> Bwd<'p> {
                 if !self.touches(&pl.spec(b, h, i0), m, j0, n) {
                     continue;
                 }
-                // SAFETY: indices in range; the tiles hold BLOCK² ≥ m·n values.
+                // SAFETY: indices in range; the tiles hold BLOCK² values.
                 unsafe { self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds, false) };
-                // SAFETY: the tiles (row stride n), rows of dO and Q (validated views), and the
-                // accumulators (`n × Dv`, `n × D`, dense).
+                // SAFETY: Pᵀ and dSᵀ read by broadcast through swapped strides (n keys × m
+                // queries of the tiles), dO and Q rows lane-padded, the accumulators `n` rows of
+                // `Dvp` / `Dp`.
                 unsafe {
-                    let dout = self.d_o.0.add(off(self.d_o.1, b, h, i0));
-                    let q = pl.q.add(off(pl.qs, b, h, i0));
-                    // dV += Pᵀ·dO.
-                    sgemm(
-                        self.backend,
+                    let (dout, ldo) = self.rows_q(b, h, i0, true);
+                    let (q, ldq) = self.rows_q(b, h, i0, false);
+                    // dV += Pᵀ·dO, dK += dSᵀ·Q (scaled when written out).
+                    let (av, ak) = (acc_v.as_mut_ptr(), acc_k.as_mut_ptr());
+                    tile_gemm(
+                        pl.isa,
                         n,
+                        dvp / w,
                         m,
-                        s.dv,
-                        1.0,
                         p.as_ptr(),
                         1,
-                        n as isize,
+                        BLOCK,
                         dout,
-                        self.d_o.1[2] as isize,
-                        1,
-                        1.0,
-                        acc_v.as_mut_ptr(),
-                        s.dv as isize,
-                        1,
+                        ldo,
+                        av,
+                        dvp,
+                        true,
                     );
-                    // dK += scale·dSᵀ·Q.
-                    sgemm(
-                        self.backend,
+                    tile_gemm(
+                        pl.isa,
                         n,
+                        dp / w,
                         m,
-                        s.d,
-                        pl.scale,
                         ds.as_ptr(),
                         1,
-                        n as isize,
+                        BLOCK,
                         q,
-                        pl.qs[2] as isize,
-                        1,
-                        1.0,
-                        acc_k.as_mut_ptr(),
-                        s.d as isize,
-                        1,
+                        ldq,
+                        ak,
+                        dp,
+                        true,
                     );
-                    // dQ += scale·dS·K, straight into the caller's rows.
-                    if let Some((dq, dqs)) = dq {
-                        let k = pl.k.add(off(pl.ks, b, hk, j0));
-                        sgemm(
-                            self.backend,
-                            m,
-                            n,
-                            s.d,
-                            pl.scale,
-                            ds.as_ptr(),
-                            n as isize,
-                            1,
-                            k,
-                            pl.ks[2] as isize,
-                            1,
-                            1.0,
-                            dq.get().add(off(dqs, b, h, i0)),
-                            dqs[2] as isize,
-                            1,
-                        );
+                }
+                if let Some((dq, dqs)) = dq {
+                    // dQ += scale·dS·K, added into the caller's rows in key-block order (the
+                    // same operations, in the same order, as [`Self::dq`]).
+                    // SAFETY: indices in range; `dsk` holds BLOCK·Dp ≥ m·Dp values.
+                    unsafe { self.ds_k(b, hk, (j0, n), m, ds, dsk) };
+                    for r in 0..m {
+                        // SAFETY: row `i0 + r` of head `h` of batch `b`, owned by the caller.
+                        let row = unsafe {
+                            core::slice::from_raw_parts_mut(
+                                dq.get().add(off(dqs, b, h, i0 + r)),
+                                s.d,
+                            )
+                        };
+                        for (x, &y) in row.iter_mut().zip(&dsk[r * dp..]) {
+                            *x += pl.scale * y;
+                        }
                     }
                 }
             }
         }
         for j in 0..n {
             // SAFETY: rows `j0 + j` of KV head `hk` of batch `b`, owned by this task.
-            unsafe {
-                let kd = dk.get().add(off(dks, b, hk, j0 + j));
-                core::ptr::copy_nonoverlapping(acc_k.as_ptr().add(j * s.d), kd, s.d);
-                let vd = dv.get().add(off(dvs, b, hk, j0 + j));
-                core::ptr::copy_nonoverlapping(acc_v.as_ptr().add(j * s.dv), vd, s.dv);
+            let (kd, vd) = unsafe {
+                (
+                    core::slice::from_raw_parts_mut(dk.get().add(off(dks, b, hk, j0 + j)), s.d),
+                    core::slice::from_raw_parts_mut(dv.get().add(off(dvs, b, hk, j0 + j)), s.dv),
+                )
+            };
+            for (x, &y) in kd.iter_mut().zip(&acc_k[j * dp..]) {
+                *x = pl.scale * y;
             }
+            vd.copy_from_slice(&acc_v[j * dvp..j * dvp + s.dv]);
         }
         Ok(())
     }
@@ -789,45 +978,39 @@ impl<'p> Bwd<'p> {
     ) -> Result<()> {
         let pl = self.plan;
         let s = &pl.shape;
+        let dp = self.dp;
         let (i0, m) = block(qb, s.lq);
         let hk = h / (s.hq / s.hkv);
-        let mut sc = Scratch::new(s.d, s.dv)?;
-        let (p, ds, acc, _) = sc.parts();
-        let acc = &mut acc[..m * s.d];
+        let mut sc = Scratch::new(dp, self.dvp)?;
+        let Tiles {
+            p,
+            ds,
+            acc_k: acc,
+            dsk,
+            ..
+        } = sc.parts();
+        let acc = &mut acc[..m * dp];
+        acc.fill(0.0);
         let spec = pl.spec(b, h, i0);
         for kb in 0..s.lk.div_ceil(BLOCK) {
             let (j0, n) = block(kb, s.lk);
             if !self.touches(&spec, m, j0, n) {
                 continue;
             }
-            // SAFETY: as in `dk_dv`; then dQ += scale·dS·K over K's rows `j0..j0+n`.
+            // SAFETY: as in `dk_dv`.
             unsafe {
                 self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds, false);
-                let k = pl.k.add(off(pl.ks, b, hk, j0));
-                sgemm(
-                    self.backend,
-                    m,
-                    n,
-                    s.d,
-                    pl.scale,
-                    ds.as_ptr(),
-                    n as isize,
-                    1,
-                    k,
-                    pl.ks[2] as isize,
-                    1,
-                    1.0,
-                    acc.as_mut_ptr(),
-                    s.d as isize,
-                    1,
-                );
+                self.ds_k(b, hk, (j0, n), m, ds, dsk);
+            }
+            for (x, &y) in acc.iter_mut().zip(dsk.iter()) {
+                *x += pl.scale * y;
             }
         }
         for r in 0..m {
             // SAFETY: row `i0 + r` of head `h` of batch `b`, owned by this task.
             unsafe {
                 let d = dq.get().add(off(dqs, b, h, i0 + r));
-                core::ptr::copy_nonoverlapping(acc.as_ptr().add(r * s.d), d, s.d);
+                core::ptr::copy_nonoverlapping(acc.as_ptr().add(r * dp), d, s.d);
             }
         }
         Ok(())

@@ -403,6 +403,60 @@ pub fn matmul(
     }
 }
 
+/// `C[m × nvec·W] = A[m × k]·B[k × nvec·W]` (or `+=` with `accumulate`), `W = isa.lanes()`: the
+/// fused kernel's micro-kernel on operands in place, nothing packed. A is read by broadcast at
+/// `a[i·rsa + p·csa]` (any strides, so a transposed tile is read as it lies); B and C are
+/// row-major (`ldb`, `ldc`) and whole vectors wide: the caller pads them. The backward pass's
+/// tile products run on it.
+///
+/// # Panics
+/// If `isa` is not supported by this CPU.
+///
+/// # Safety
+/// `a` is readable at `i·rsa + p·csa` for `i < m`, `p < k`; `b` at `p·ldb + [0, nvec·W)`; `c`
+/// writable (and readable with `accumulate`) at `i·ldc + [0, nvec·W)`, overlapping neither `a`,
+/// `b`, nor anything another thread touches meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn tile_gemm(
+    isa: Isa,
+    m: usize,
+    nvec: usize,
+    k: usize,
+    a: *const f32,
+    rsa: usize,
+    csa: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    assert!(isa.is_supported(), "{isa} is not supported on this CPU");
+    let acc = if accumulate {
+        Accum::Add
+    } else {
+        Accum::Replace
+    };
+    // SAFETY: forwarded contract (one chain over the whole reduction); the ISA is supported.
+    unsafe {
+        block_isa::<f32, f32>(
+            isa,
+            m,
+            nvec,
+            k,
+            usize::MAX,
+            a,
+            rsa,
+            csa,
+            b,
+            ldb,
+            c,
+            ldc,
+            acc,
+        )
+    }
+}
+
 isa_fn!(rows_dot_isa(m: usize, k: usize, n: usize, x: *const f32, ldx: usize, w: *const f32, ldw: usize, y: *mut f32, ldy: usize, accumulate: bool) => gemv::rows_dot);
 
 /// The most rows of X for which [`rows_dot`] beats a packing GEMM (measured: a decode step's

@@ -578,3 +578,78 @@ fn rows_dot_matches_f64() {
         }
     }
 }
+
+/// `tile_gemm` with A read in place through strides (row-major and transposed) and B, C wider
+/// than the product's lanes, against the f64 product.
+#[test]
+fn tile_gemm_matches_f64() {
+    let mut rng = SmallRng::seed_from_u64(43);
+    for isa in isas() {
+        let w = isa.lanes();
+        for (m, nvec, k) in [
+            (1, 1, 1),
+            (7, 2, 13),
+            (9, 1, 64),
+            (17, 3, 5),
+            (128, 8, 64),
+            (3, 1, 0),
+        ] {
+            let n = nvec * w;
+            for transposed in [false, true] {
+                // A is m × k; stored as is (rsa = k + 2) or transposed (k × m, row stride m + 1).
+                let (rsa, csa, alen) = if transposed {
+                    (1, m + 1, k.max(1) * (m + 1))
+                } else {
+                    (k + 2, 1, m * (k + 2))
+                };
+                let a: Vec<f32> = (0..alen).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                let ldb = n + 3;
+                let b: Vec<f32> = (0..k * ldb).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                let ldc = n + 5;
+                let c0: Vec<f32> = (0..m * ldc).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                for accumulate in [false, true] {
+                    let mut c = c0.clone();
+                    // SAFETY: a, b and c cover the strides and extents above.
+                    unsafe {
+                        attnkit_kernels::tile_gemm(
+                            isa,
+                            m,
+                            nvec,
+                            k,
+                            a.as_ptr(),
+                            rsa,
+                            csa,
+                            b.as_ptr(),
+                            ldb,
+                            c.as_mut_ptr(),
+                            ldc,
+                            accumulate,
+                        )
+                    };
+                    for i in 0..m {
+                        for j in 0..ldc {
+                            let got = c[i * ldc + j];
+                            if j >= n {
+                                assert_eq!(got, c0[i * ldc + j], "{isa}: wrote past column {n}");
+                                continue;
+                            }
+                            let mut want = if accumulate {
+                                c0[i * ldc + j] as f64
+                            } else {
+                                0.0
+                            };
+                            for p in 0..k {
+                                want += a[i * rsa + p * csa] as f64 * b[p * ldb + j] as f64;
+                            }
+                            let tol = 1e-6 * (1.0 + (k as f64).sqrt()) * (1.0 + want.abs());
+                            assert!(
+                                (got as f64 - want).abs() <= tol,
+                                "{isa} {m}x{n}x{k} t={transposed} acc={accumulate} ({i},{j}): {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
