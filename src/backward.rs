@@ -16,7 +16,7 @@
 
 use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
-use crate::exec::{run_tasks, SendPtr};
+use crate::exec::{run_tasks, threads, SendPtr};
 use crate::options::{Extras, SdpaOptions};
 use crate::plan::{off, used_strides, Plan};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
@@ -28,11 +28,14 @@ use std::sync::Mutex;
 /// the number of Kᵀ/Vᵀ blocks.
 const BLOCK: usize = 128;
 
-/// From this many (batch, KV head) pairs on, one task per pair computes all three gradients in
-/// one pass (5 GEMMs per tile instead of 7); below, keys are split across tasks too and dQ takes
-/// a second pass. A property of the shape, so results do not depend on the thread count; both
-/// ways add the same tiles in the same order, so they agree bit for bit.
-const ONE_PASS_TASKS: usize = 16;
+/// Whether one task per (batch, KV head) pair computes all three gradients in one pass (5 tile
+/// products per tile), or keys are split across tasks too and dQ takes a second pass (7). Both
+/// ways add the same tiles in the same order, so they agree bit for bit and the choice may follow
+/// the thread count. One pass wins unless it leaves threads idle: its span, `⌈pairs/threads⌉`
+/// pair-units of 5 products, against two passes spread evenly, `pairs/threads` units of 7.
+fn one_pass_wins(pairs: usize, threads: usize) -> bool {
+    5 * threads * pairs.div_ceil(threads) <= 7 * pairs
+}
 
 /// What the forward pass leaves for the backward: its inputs, its output `out (B, Hq, Lq, Dv)`
 /// and the natural-log logsumexp of every row, `lse (B, Hq, Lq)` dense (from
@@ -122,8 +125,8 @@ pub fn sdpa_backward(
         used_strides(s.dv, dv.shape, dv.strides),
     );
     let work = plan.work().saturating_mul(2);
-    if s.b * s.hkv >= ONE_PASS_TASKS {
-        // Enough (batch, KV head) pairs to keep the cores busy: one task per pair owns the dK
+    if one_pass_wins(s.b * s.hkv, threads(opts.par, work)) {
+        // Enough (batch, KV head) pairs to keep the threads busy: one task per pair owns the dK
         // and dV of its keys and the dQ of its query heads, and computes every tile once.
         run_tasks(opts.par, s.b * s.hkv, work, |t| {
             // SAFETY: the task writes the rows of KV head `t % Hkv` of batch `t / Hkv` in dk and

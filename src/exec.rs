@@ -23,6 +23,17 @@ pub(crate) fn parallel(par: Par, n: usize, work: usize) -> bool {
     cfg!(feature = "rayon") && par == Par::Rayon && n > 1 && work >= PAR_MIN_WORK
 }
 
+/// How many threads a call of `work` multiply-adds split into several tasks runs on: the
+/// current rayon pool's, or 1.
+pub(crate) fn threads(par: Par, work: usize) -> usize {
+    #[cfg(feature = "rayon")]
+    if parallel(par, 2, work) {
+        return rayon::current_num_threads().max(1);
+    }
+    let _ = (par, work);
+    1
+}
+
 /// Runs `f(0..n)` on the current rayon pool, or inline when `par` is `Seq` or the work is small.
 /// Callers make the task split depend on the shape only, so results do not depend on threads.
 pub(crate) fn run_tasks(par: Par, n: usize, work: usize, f: impl Fn(usize) + Sync + Send) {

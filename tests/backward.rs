@@ -476,7 +476,9 @@ fn one_pass_and_two_passes_agree_bitwise() {
         lse: true,
         weights: false,
     };
-    let run = |b0: usize, nb: usize| {
+    // One pass whenever a single thread runs it; two passes for 2 (batch, KV head) pairs on 8
+    // threads (`one_pass_wins` in src/backward.rs).
+    let run = |b0: usize, nb: usize, threads: usize| {
         let sl = |x: &[f32], per: usize| x[b0 * per..(b0 + nb) * per].to_vec();
         let (q, k, v, g) = (
             sl(&q, hq * lq * d),
@@ -502,11 +504,17 @@ fn one_pass_and_two_passes_agree_bitwise() {
             out: Tensor::bhld(&fwd.out, [nb, hq, lq, dv]),
             lse: &lse,
         };
-        sdpa_backward_vec(&saved, &Tensor::bhld(&g, [nb, hq, lq, dv]), &opts).unwrap()
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            sdpa_backward_vec(&saved, &Tensor::bhld(&g, [nb, hq, lq, dv]), &opts).unwrap()
+        })
     };
-    let whole = run(0, b);
+    let whole = run(0, b, 1);
     for bi in 0..b {
-        let one = run(bi, 1);
+        let one = run(bi, 1, 8);
         let sl = |x: &[f32], per: usize| x[bi * per..(bi + 1) * per].to_vec();
         assert!(one.dq == sl(&whole.dq, hq * lq * d), "dq of batch {bi}");
         assert!(one.dk == sl(&whole.dk, hkv * lk * d), "dk of batch {bi}");
