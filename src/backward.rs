@@ -6,13 +6,20 @@
 //! `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)` (times the softcap's derivative),
 //! `dQ = scale·dS·K`, `dK = scale·dSᵀ·Q`.
 //!
-//! **Determinism.** Two passes, each with tasks that own their outputs: one task per (batch, KV
-//! head, key block) accumulates that block's dK and dV over the group's query heads and the query
-//! blocks in a fixed order; one task per (batch, query head, query block) accumulates its dQ over
-//! the key blocks. No output is shared between tasks, so results are bitwise the same for any
-//! thread count. The price is recomputing the scores and dP in the second pass (7 block GEMMs
-//! instead of 5) — the alternative, per-key-block partial dQ, costs memory proportional to
-//! `Lk/block · Lq · D` per head.
+//! **Determinism.** Every task owns the gradients it writes. With enough (batch, KV head) pairs
+//! for the threads, one task per pair computes dK, dV and the dQ of its query heads in one pass
+//! (5 tile products per tile). With fewer (one long sequence on many threads), two passes: one
+//! task per (batch, KV head, key block) accumulates that block's dK and dV over the group's query
+//! heads and query blocks in a fixed order; then one task per (batch, query head, query block)
+//! accumulates its dQ over the key blocks, recomputing the scores and dP (7 products per tile).
+//! Both ways add the same tiles in the same order, so results are bitwise the same for any
+//! thread count. The alternative to the second pass, per-key-block partial dQ, costs memory
+//! proportional to `Lk/block · Lq · D` per head.
+//!
+//! **Memory.** Besides the gradients: `D` (one f32 per query row), Kᵀ and Vᵀ packed per key
+//! block (about K and V again), lane-padded copies of K, Q and dO when `D` or `Dv` is not a
+//! multiple of the vector width, and per task two `128 × 128` tiles plus `128 × (D + Dv)`
+//! accumulators. Never `Lq × Lk`.
 
 use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
