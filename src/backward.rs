@@ -27,7 +27,7 @@ use crate::exec::{run_tasks, threads, SendPtr};
 use crate::options::{Extras, SdpaOptions};
 use crate::plan::{off, used_strides, Plan};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::{apply_scores, exp2_slice, tile_gemm, ScoreSpec};
+use attnkit_kernels::{apply_scores, exp2_slice, tile_gemm, Dtype, Elem, ScoreSpec};
 use std::sync::Mutex;
 
 /// Query rows and keys per tile. 128 and 64 measured level on the unpacked tile products
@@ -47,16 +47,19 @@ fn one_pass_wins(pairs: usize, threads: usize) -> bool {
 /// What the forward pass leaves for the backward: its inputs, its output `out (B, Hq, Lq, Dv)`
 /// and the natural-log logsumexp of every row, `lse (B, Hq, Lq)` dense (from
 /// [`crate::sdpa_ext`] or [`crate::sdpa_ext_vec`]).
+///
+/// `E` is the element type of Q, K, V and the output (`f32`, [`crate::bf16`] or
+/// [`struct@crate::f16`]); the backward's `dout` has it too. The gradients are f32 whatever `E` is.
 #[derive(Clone, Copy, Debug)]
-pub struct Saved<'a> {
+pub struct Saved<'a, E = f32> {
     /// Queries `(B, Hq, Lq, D)`.
-    pub q: Tensor<'a>,
+    pub q: Tensor<'a, E>,
     /// Keys `(B, Hkv, Lk, D)`.
-    pub k: Tensor<'a>,
+    pub k: Tensor<'a, E>,
     /// Values `(B, Hkv, Lk, Dv)`.
-    pub v: Tensor<'a>,
-    /// The forward's output.
-    pub out: Tensor<'a>,
+    pub v: Tensor<'a, E>,
+    /// The forward's output (rounded to `E` if the forward wrote `E`).
+    pub out: Tensor<'a, E>,
     /// The forward's logsumexp.
     pub lse: &'a [f32],
 }
@@ -83,7 +86,8 @@ pub struct Gradients {
 ///
 /// The sink logits' gradient is [`sinks_gradient`], the float mask's (a learned bias)
 /// [`bias_gradient`].
-/// Inputs are f32; the element-type variants follow the forward's.
+/// bf16 and f16 inputs are widened to f32 once (exactly), into dense copies of Q, K, V, O and
+/// dO; every product and the gradients are then f32, as for f32 inputs.
 ///
 /// # Errors
 /// As [`crate::sdpa`] for `q`, `k`, `v` and the options; [`AttnError::ShapeMismatch`] when
@@ -91,7 +95,20 @@ pub struct Gradients {
 /// for `lse`, [`AttnError::BadParam`] for an `lse` entry that is NaN or +inf; overlapping rows of a gradient ([`AttnError::BadStride`]);
 /// [`AttnError::Alloc`] when the per-task scratch cannot be allocated (the gradients are then
 /// unspecified).
-pub fn sdpa_backward(
+pub fn sdpa_backward<E: Elem>(
+    saved: &Saved<E>,
+    dout: &Tensor<E>,
+    dq: &mut TensorMut,
+    dk: &mut TensorMut,
+    dv: &mut TensorMut,
+    opts: &SdpaOptions,
+) -> Result<()> {
+    let x = Wide::new(saved, dout, opts)?;
+    let (saved, dout) = x.views();
+    backward_f32(&saved, &dout, dq, dk, dv, opts)
+}
+
+fn backward_f32(
     saved: &Saved,
     dout: &Tensor,
     dq: &mut TensorMut,
@@ -189,6 +206,93 @@ pub fn sdpa_backward(
     }
 }
 
+/// A call's inputs as f32 views: the caller's own views when `E` is f32, else dense f32 copies
+/// `(B, H, L, ·)` of Q, K, V, O and dO, validated first (the values widen exactly, so the
+/// gradients are those of the same values given in f32).
+enum Wide<'a> {
+    Same(Saved<'a>, Tensor<'a>),
+    Copied {
+        bufs: [Vec<f32>; 5],
+        shapes: [[usize; 4]; 5],
+        lse: &'a [f32],
+    },
+}
+
+impl<'a> Wide<'a> {
+    fn new<E: Elem>(
+        saved: &Saved<'a, E>,
+        dout: &Tensor<'a, E>,
+        opts: &SdpaOptions,
+    ) -> Result<Self> {
+        if E::DTYPE == Dtype::F32 {
+            let same = |t: &Tensor<'a, E>| Tensor {
+                // SAFETY: `Stored` is sealed and f32 is its only type with `DTYPE == F32`, so
+                // `E` is f32 here: the same slice, reinterpreted as its own type.
+                data: unsafe {
+                    core::slice::from_raw_parts(t.data.as_ptr().cast::<f32>(), t.data.len())
+                },
+                shape: t.shape,
+                strides: t.strides,
+            };
+            let s = Saved {
+                q: same(&saved.q),
+                k: same(&saved.k),
+                v: same(&saved.v),
+                out: same(&saved.out),
+                lse: saved.lse,
+            };
+            return Ok(Wide::Same(s, same(dout)));
+        }
+        validate_saved(saved, dout, opts)?;
+        let Saved { q, k, v, out, lse } = saved;
+        let args = [("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)];
+        let mut bufs: [Vec<f32>; 5] = Default::default();
+        for (buf, (arg, t)) in bufs.iter_mut().zip(args) {
+            *buf = widen(arg, t)?;
+        }
+        Ok(Wide::Copied {
+            bufs,
+            shapes: args.map(|(_, t)| t.shape),
+            lse,
+        })
+    }
+
+    fn views(&self) -> (Saved<'_>, Tensor<'_>) {
+        match self {
+            Wide::Same(s, d) => (*s, *d),
+            Wide::Copied { bufs, shapes, lse } => {
+                let t = |i: usize| Tensor::bhld(&bufs[i], shapes[i]);
+                let s = Saved {
+                    q: t(0),
+                    k: t(1),
+                    v: t(2),
+                    out: t(3),
+                    lse,
+                };
+                (s, t(4))
+            }
+        }
+    }
+}
+
+/// A dense f32 copy `(B, H, L, W)` of a validated view (`check_len` has bounded every offset).
+fn widen<E: Elem>(arg: &'static str, t: &Tensor<E>) -> Result<Vec<f32>> {
+    let [_, h, l, w] = t.shape;
+    let mut dst = try_zeros::<f32>(arg, checked_len(arg, &t.shape)?)?;
+    if w == 0 {
+        return Ok(dst);
+    }
+    let [sb, sh, sl] = t.strides;
+    for (r, row) in dst.chunks_exact_mut(w).enumerate() {
+        let (bi, hi, li) = (r / (h * l), r / l % h, r % l);
+        let src = &t.data[bi * sb + hi * sh + li * sl..][..w];
+        for (d, x) in row.iter_mut().zip(src) {
+            *d = x.to_f32();
+        }
+    }
+    Ok(dst)
+}
+
 /// `got` must be `want`, else the first differing dimension is named.
 fn same_shape(arg: &'static str, want: [usize; 4], got: [usize; 4]) -> Result<()> {
     const DIMS: [&str; 4] = ["B", "H", "L", "D"];
@@ -205,9 +309,13 @@ fn same_shape(arg: &'static str, want: [usize; 4], got: [usize; 4]) -> Result<()
 
 /// Validates what every backward entry point reads: the forward's inputs and options, `out`,
 /// `dout` and `lse`.
-fn validate_saved(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Plan> {
+fn validate_saved<E: Elem>(
+    saved: &Saved<E>,
+    dout: &Tensor<E>,
+    opts: &SdpaOptions,
+) -> Result<Plan<E, E, E>> {
     let Saved { q, k, v, out, lse } = saved;
-    let plan = Plan::<f32, f32, f32>::validate(q, k, v, out.shape, opts, &mut Extras::default())?;
+    let plan = Plan::<E, E, E>::validate(q, k, v, out.shape, opts, &mut Extras::default())?;
     let s = plan.shape;
     let o_shape = [s.b, s.hq, s.lq, s.dv];
     same_shape("out", o_shape, out.shape)?;
@@ -251,7 +359,17 @@ fn validate_saved(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Pl
 ///
 /// # Errors
 /// As [`sdpa_backward`] (no gradient buffers); [`AttnError::BadParam`] if `opts` has no bias.
-pub fn bias_gradient(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
+pub fn bias_gradient<E: Elem>(
+    saved: &Saved<E>,
+    dout: &Tensor<E>,
+    opts: &SdpaOptions,
+) -> Result<Vec<f32>> {
+    let x = Wide::new(saved, dout, opts)?;
+    let (saved, dout) = x.views();
+    bias_gradient_f32(&saved, &dout, opts)
+}
+
+fn bias_gradient_f32(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
     let Some(bias) = opts.bias else {
         return Err(AttnError::BadParam {
             arg: "bias",
@@ -292,7 +410,14 @@ pub fn bias_gradient(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result
 ///
 /// # Errors
 /// As [`sdpa_backward`].
-pub fn sdpa_backward_vec(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Gradients> {
+pub fn sdpa_backward_vec<E: Elem>(
+    saved: &Saved<E>,
+    dout: &Tensor<E>,
+    opts: &SdpaOptions,
+) -> Result<Gradients> {
+    let x = Wide::new(saved, dout, opts)?;
+    let (saved, dout) = x.views();
+    let (saved, dout) = (&saved, &dout);
     let (q, k, v) = (saved.q.shape, saved.k.shape, saved.v.shape);
     let mut g = Gradients {
         dsinks: None,
@@ -300,7 +425,7 @@ pub fn sdpa_backward_vec(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Re
         dk: try_zeros("dk", checked_len("dk", &k)?)?,
         dv: try_zeros("dv", checked_len("dv", &v)?)?,
     };
-    sdpa_backward(
+    backward_f32(
         saved,
         dout,
         &mut TensorMut::bhld(&mut g.dq, q),
@@ -309,7 +434,7 @@ pub fn sdpa_backward_vec(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Re
         opts,
     )?;
     if opts.sinks.is_some() {
-        g.dsinks = Some(sinks_gradient(saved, dout, opts)?);
+        g.dsinks = Some(sinks_gradient_f32(saved, dout, opts)?);
     }
     Ok(g)
 }
@@ -321,7 +446,17 @@ pub fn sdpa_backward_vec(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Re
 ///
 /// # Errors
 /// As [`sdpa_backward`] (no gradient buffers); [`AttnError::BadParam`] if `opts` has no sinks.
-pub fn sinks_gradient(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
+pub fn sinks_gradient<E: Elem>(
+    saved: &Saved<E>,
+    dout: &Tensor<E>,
+    opts: &SdpaOptions,
+) -> Result<Vec<f32>> {
+    let x = Wide::new(saved, dout, opts)?;
+    let (saved, dout) = x.views();
+    sinks_gradient_f32(&saved, &dout, opts)
+}
+
+fn sinks_gradient_f32(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
     let Some(sinks) = opts.sinks else {
         return Err(AttnError::BadParam {
             arg: "sinks",

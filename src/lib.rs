@@ -39,7 +39,7 @@
 //! | layers | [`MultiheadAttention`] (`nn.MultiheadAttention`), [`SelfAttention`], [`AdditiveAttention`], [`Linear`], over [`Tokens`]; from a [`StateDict`] (PyTorch names) or freshly initialised ([`InitRng`]) |
 //! | decoding | [`KvCache`] (f32, bf16, f16, int8) and [`PagedKvCache`] (pages, `fork`, copy-on-write), each with `append` and `attend` |
 //! | composition | [`merge`] (results over disjoint key ranges, by logsumexp), [`split_heads`] / [`merge_heads`] |
-//! | training | [`sdpa_backward`] / [`sdpa_backward_vec`]: dQ, dK, dV from the forward's [`Saved`] output and logsumexp |
+//! | training | [`sdpa_backward`] / [`sdpa_backward_vec`]: f32 dQ, dK, dV from the forward's [`Saved`] inputs (f32, bf16 or f16), output and logsumexp; [`bias_gradient`], [`sinks_gradient`] |
 //! | baselines | [`unfused`] (GEMM → softmax → GEMM), [`kernels`] (the raw-slice kernels and their f64 twins) |
 //!
 //! Features: `rayon` (default; threads), `safetensors` (default; checkpoint files), `blas` (the

@@ -865,3 +865,152 @@ fn backward_kv_batches() {
     let g = sdpa_backward_vec(&saved, &Tensor::bhld(&e, [b, h, l, 0]), &SdpaOptions::new());
     assert!(g.is_ok(), "{g:?}");
 }
+
+/// bf16 and f16 inputs get the f32 gradients of their own values: bitwise those of f32 inputs
+/// holding the same (rounded) values, read dense or through (B, L, H, ·) strides, with GQA,
+/// Lq ≠ Lk, odd D, key lengths and sinks. (The f32 path is checked against f64 above.)
+#[test]
+fn low_precision_inputs_get_the_gradients_of_their_values() {
+    lowp_case::<attnkit::bf16>(attnkit::bf16::from_f32, attnkit::bf16::to_f32);
+    lowp_case::<attnkit::f16>(attnkit::f16::from_f32, attnkit::f16::to_f32);
+}
+
+fn lowp_case<E: attnkit::Elem>(to: fn(f32) -> E, from: fn(E) -> f32) {
+    let shapes = [
+        (2, 4, 2, 37, 150, 13, 7),
+        (1, 2, 2, 130, 129, 64, 32),
+        (3, 3, 1, 1, 40, 16, 24),
+    ];
+    for (i, &(b, hq, hkv, lq, lk, d, dv)) in shapes.iter().enumerate() {
+        let dims = Dims {
+            b,
+            hq,
+            hkv,
+            lq,
+            lk,
+            d,
+            dv,
+        };
+        let mut rng = SmallRng::seed_from_u64(40 + i as u64);
+        let round = |x: Vec<f32>| -> (Vec<E>, Vec<f32>) {
+            let e: Vec<E> = x.into_iter().map(to).collect();
+            let f = e.iter().map(|&y| from(y)).collect();
+            (e, f)
+        };
+        let (qe, qf) = round(randn(&mut rng, dims.q().iter().product(), 1.0));
+        let (ke, kf) = round(randn(&mut rng, dims.k().iter().product(), 1.0));
+        let (ve, vf) = round(randn(&mut rng, dims.v().iter().product(), 1.0));
+        let (ge, gf) = round(randn(&mut rng, dims.out().iter().product(), 1.0));
+        let lens: Vec<usize> = (0..b).map(|j| lk - j * lk / 3).collect();
+        let sinks: Vec<f32> = (0..hq).map(|h| h as f32 - 1.0).collect();
+        let opts = SdpaOptions::new()
+            .causal(Causal::BottomRight)
+            .key_lengths(&lens)
+            .sinks(&sinks);
+        let fwd = sdpa_ext_vec(
+            &Tensor::bhld(&qf, dims.q()),
+            &Tensor::bhld(&kf, dims.k()),
+            &Tensor::bhld(&vf, dims.v()),
+            &opts,
+            Returns {
+                lse: true,
+                weights: false,
+            },
+        )
+        .unwrap();
+        let lse = fwd.lse.unwrap();
+        let (oe, of) = round(fwd.out);
+        let want = sdpa_backward_vec(
+            &Saved {
+                q: Tensor::bhld(&qf, dims.q()),
+                k: Tensor::bhld(&kf, dims.k()),
+                v: Tensor::bhld(&vf, dims.v()),
+                out: Tensor::bhld(&of, dims.out()),
+                lse: &lse,
+            },
+            &Tensor::bhld(&gf, dims.out()),
+            &opts,
+        )
+        .unwrap();
+        let dense = sdpa_backward_vec(
+            &Saved {
+                q: Tensor::bhld(&qe, dims.q()),
+                k: Tensor::bhld(&ke, dims.k()),
+                v: Tensor::bhld(&ve, dims.v()),
+                out: Tensor::bhld(&oe, dims.out()),
+                lse: &lse,
+            },
+            &Tensor::bhld(&ge, dims.out()),
+            &opts,
+        )
+        .unwrap();
+        assert!(
+            dense == want,
+            "{} dense, shape {i}",
+            std::any::type_name::<E>()
+        );
+
+        // The same values in (B, L, H, ·) memory; gradients written through strides too.
+        let lh = |s: [usize; 4]| [s[0], s[2], s[1], s[3]];
+        let t = |x: &[E], s: [usize; 4]| -> Vec<E> {
+            let f: Vec<f32> = x.iter().map(|&y| from(y)).collect();
+            to_blhd(&f, s).into_iter().map(to).collect()
+        };
+        let (qb, kb, vb, ob, gb) = (
+            t(&qe, dims.q()),
+            t(&ke, dims.k()),
+            t(&ve, dims.v()),
+            t(&oe, dims.out()),
+            t(&ge, dims.out()),
+        );
+        let mut g = [
+            vec![0.0f32; qf.len()],
+            vec![0.0f32; kf.len()],
+            vec![0.0f32; vf.len()],
+        ];
+        let [dq, dk, dv] = &mut g;
+        sdpa_backward(
+            &Saved {
+                q: Tensor::blhd(&qb, lh(dims.q())),
+                k: Tensor::blhd(&kb, lh(dims.k())),
+                v: Tensor::blhd(&vb, lh(dims.v())),
+                out: Tensor::blhd(&ob, lh(dims.out())),
+                lse: &lse,
+            },
+            &Tensor::blhd(&gb, lh(dims.out())),
+            &mut TensorMut::blhd(dq, lh(dims.q())),
+            &mut TensorMut::blhd(dk, lh(dims.k())),
+            &mut TensorMut::blhd(dv, lh(dims.v())),
+            &opts,
+        )
+        .unwrap();
+        for (name, (got, (w, s))) in ["dq", "dk", "dv"].iter().zip(g.iter().zip([
+            (&want.dq, dims.q()),
+            (&want.dk, dims.k()),
+            (&want.dv, dims.v()),
+        ])) {
+            assert!(
+                *got == to_blhd(w, s),
+                "{} strided {name}, shape {i}",
+                std::any::type_name::<E>()
+            );
+        }
+        // Refusals are checked before anything is widened, on the caller's own views.
+        let short = &ge[..ge.len() - dims.dv];
+        let err = sdpa_backward_vec(
+            &Saved {
+                q: Tensor::bhld(&qe, dims.q()),
+                k: Tensor::bhld(&ke, dims.k()),
+                v: Tensor::bhld(&ve, dims.v()),
+                out: Tensor::bhld(&oe, dims.out()),
+                lse: &lse,
+            },
+            &Tensor::bhld(short, dims.out()),
+            &opts,
+        );
+        assert!(
+            matches!(err, Err(AttnError::BufferLength { arg: "dout", .. })),
+            "{err:?}"
+        );
+    }
+}
