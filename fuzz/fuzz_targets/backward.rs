@@ -6,7 +6,8 @@
 //! the forward refused, with the same error; `Par::Seq` and `Par::Rayon` agree bit for bit; on a
 //! reference-tame problem an identity of softmax attention holds: each row's weights sum to one
 //! minus its sink's share, so `Σ_j dV_j` is the dO rows weighted by that, within a rounding bound
-//! from their magnitudes. (Agreement with an f64 reference is the unit tests' job.)
+//! from their magnitudes; bf16 or f16 inputs (1 in 2) give bitwise the gradients of their values
+//! in f32. (Agreement with an f64 reference is the unit tests' job.)
 #![no_main]
 
 use arbitrary::{Result, Unstructured};
@@ -97,6 +98,30 @@ fn run(u: &mut Unstructured) -> Result<()> {
             .collect()
     };
     assert!(bits(&seq) == bits(&par), "Par::Seq and Par::Rayon differ");
+    // 16-bit inputs get the gradients of their own values: bitwise those of the same (rounded)
+    // values in f32. Drawn last, so the committed corpus keeps its meaning.
+    let vals = (&q[..], &k[..], &v[..], &fwd.out[..], &dout[..]);
+    match u.int_in_range(0..=3u8)? {
+        1 => lowp(
+            &dims,
+            vals,
+            &lse,
+            &o,
+            attnkit::bf16::from_f32,
+            attnkit::bf16::to_f32,
+            bits,
+        ),
+        2 => lowp(
+            &dims,
+            vals,
+            &lse,
+            &o,
+            attnkit::f16::from_f32,
+            attnkit::f16::to_f32,
+            bits,
+        ),
+        _ => {}
+    }
     if opts
         .mask
         .as_ref()
@@ -195,4 +220,52 @@ fn identity(
             }
         }
     }
+}
+
+/// The backward of `E` inputs against the f32 backward of the same values.
+fn lowp<E: attnkit::Elem>(
+    dims: &Dims,
+    (q, k, v, out, dout): (&[f32], &[f32], &[f32], &[f32], &[f32]),
+    lse: &[f32],
+    o: &attnkit::SdpaOptions,
+    to: fn(f32) -> E,
+    from: fn(E) -> f32,
+    bits: impl Fn(&attnkit::Gradients) -> Vec<u32>,
+) {
+    let round = |x: &[f32]| -> (Vec<E>, Vec<f32>) {
+        let e: Vec<E> = x.iter().map(|&y| to(y)).collect();
+        let f = e.iter().map(|&y| from(y)).collect();
+        (e, f)
+    };
+    let ((qe, qf), (ke, kf), (ve, vf), (oe, of), (ge, gf)) =
+        (round(q), round(k), round(v), round(out), round(dout));
+    let wide = sdpa_backward_vec(
+        &Saved {
+            q: Tensor::bhld(&qf, dims.q()),
+            k: Tensor::bhld(&kf, dims.k()),
+            v: Tensor::bhld(&vf, dims.v()),
+            out: Tensor::bhld(&of, dims.out()),
+            lse,
+        },
+        &Tensor::bhld(&gf, dims.out()),
+        o,
+    )
+    .expect("f32 backward of rounded values");
+    let narrow = sdpa_backward_vec(
+        &Saved {
+            q: Tensor::bhld(&qe, dims.q()),
+            k: Tensor::bhld(&ke, dims.k()),
+            v: Tensor::bhld(&ve, dims.v()),
+            out: Tensor::bhld(&oe, dims.out()),
+            lse,
+        },
+        &Tensor::bhld(&ge, dims.out()),
+        o,
+    )
+    .expect("16-bit backward");
+    assert!(
+        bits(&wide) == bits(&narrow),
+        "{} inputs differ from their f32 values",
+        std::any::type_name::<E>()
+    );
 }
