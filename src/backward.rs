@@ -103,9 +103,9 @@ pub fn sdpa_backward<E: Elem>(
     dv: &mut TensorMut,
     opts: &SdpaOptions,
 ) -> Result<()> {
-    let x = Wide::new(saved, dout, opts)?;
-    let (saved, dout) = x.views();
-    backward_f32(&saved, &dout, dq, dk, dv, opts)
+    on_f32(saved, dout, opts, |s, d| {
+        backward_f32(s, d, dq, dk, dv, opts)
+    })
 }
 
 fn backward_f32(
@@ -275,6 +275,18 @@ impl<'a> Wide<'a> {
     }
 }
 
+/// Runs `f` on the call's inputs as f32 views ([`Wide`]).
+fn on_f32<E: Elem, R>(
+    saved: &Saved<E>,
+    dout: &Tensor<E>,
+    opts: &SdpaOptions,
+    f: impl FnOnce(&Saved, &Tensor) -> Result<R>,
+) -> Result<R> {
+    let wide = Wide::new(saved, dout, opts)?;
+    let (saved, dout) = wide.views();
+    f(&saved, &dout)
+}
+
 /// A dense f32 copy `(B, H, L, W)` of a validated view (`check_len` has bounded every offset).
 fn widen<E: Elem>(arg: &'static str, t: &Tensor<E>) -> Result<Vec<f32>> {
     let [_, h, l, w] = t.shape;
@@ -364,9 +376,7 @@ pub fn bias_gradient<E: Elem>(
     dout: &Tensor<E>,
     opts: &SdpaOptions,
 ) -> Result<Vec<f32>> {
-    let x = Wide::new(saved, dout, opts)?;
-    let (saved, dout) = x.views();
-    bias_gradient_f32(&saved, &dout, opts)
+    on_f32(saved, dout, opts, |s, d| bias_gradient_f32(s, d, opts))
 }
 
 fn bias_gradient_f32(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
@@ -415,28 +425,27 @@ pub fn sdpa_backward_vec<E: Elem>(
     dout: &Tensor<E>,
     opts: &SdpaOptions,
 ) -> Result<Gradients> {
-    let x = Wide::new(saved, dout, opts)?;
-    let (saved, dout) = x.views();
-    let (saved, dout) = (&saved, &dout);
-    let (q, k, v) = (saved.q.shape, saved.k.shape, saved.v.shape);
-    let mut g = Gradients {
-        dsinks: None,
-        dq: try_zeros("dq", checked_len("dq", &q)?)?,
-        dk: try_zeros("dk", checked_len("dk", &k)?)?,
-        dv: try_zeros("dv", checked_len("dv", &v)?)?,
-    };
-    backward_f32(
-        saved,
-        dout,
-        &mut TensorMut::bhld(&mut g.dq, q),
-        &mut TensorMut::bhld(&mut g.dk, k),
-        &mut TensorMut::bhld(&mut g.dv, v),
-        opts,
-    )?;
-    if opts.sinks.is_some() {
-        g.dsinks = Some(sinks_gradient_f32(saved, dout, opts)?);
-    }
-    Ok(g)
+    on_f32(saved, dout, opts, |saved, dout| {
+        let (q, k, v) = (saved.q.shape, saved.k.shape, saved.v.shape);
+        let mut g = Gradients {
+            dsinks: None,
+            dq: try_zeros("dq", checked_len("dq", &q)?)?,
+            dk: try_zeros("dk", checked_len("dk", &k)?)?,
+            dv: try_zeros("dv", checked_len("dv", &v)?)?,
+        };
+        backward_f32(
+            saved,
+            dout,
+            &mut TensorMut::bhld(&mut g.dq, q),
+            &mut TensorMut::bhld(&mut g.dk, k),
+            &mut TensorMut::bhld(&mut g.dv, v),
+            opts,
+        )?;
+        if opts.sinks.is_some() {
+            g.dsinks = Some(sinks_gradient_f32(saved, dout, opts)?);
+        }
+        Ok(g)
+    })
 }
 
 /// The gradient of the attention-sink logits ([`SdpaOptions::sinks`]), one per query head: a
@@ -451,9 +460,7 @@ pub fn sinks_gradient<E: Elem>(
     dout: &Tensor<E>,
     opts: &SdpaOptions,
 ) -> Result<Vec<f32>> {
-    let x = Wide::new(saved, dout, opts)?;
-    let (saved, dout) = x.views();
-    sinks_gradient_f32(&saved, &dout, opts)
+    on_f32(saved, dout, opts, |s, d| sinks_gradient_f32(s, d, opts))
 }
 
 fn sinks_gradient_f32(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Result<Vec<f32>> {
