@@ -52,11 +52,14 @@ struct Seq {
 /// quantisation; rows with NaN or infinity refused).
 ///
 /// **Attention.** [`attend`](Self::attend) reads K and V through the page tables, without
-/// gathering them: the decode kernel looks each key's page up as it streams. Its result equals
-/// bit for bit that of a contiguous [`KvCache`](crate::KvCache) holding the same tokens, for
-/// any page length and any placement of the pages in the pool. Every query length runs on the
-/// decode kernel (the tiled prefill kernel does not read pages yet), so a long prompt against
-/// a paged cache is slower than against a contiguous one.
+/// gathering the cache: the decode kernel looks each key's page up as it streams; the prefill
+/// kernel (long prompts, chosen as for contiguous K and V) reads a key block in place where it
+/// lies in one page and gathers it block by block where it straddles pages (pages shorter than
+/// its 128-key blocks, or 64 for `D > 128`). Its result equals bit for bit that of a contiguous
+/// [`KvCache`](crate::KvCache) holding the same tokens with the same kernel, for any page
+/// length and any placement of the pages in the pool. Prefill always uses the f32 products on
+/// paged caches (on AMX or AVX-512 BF16 CPUs a contiguous bf16 cache may take the bf16 tile
+/// products instead).
 ///
 /// A refused call changes nothing: lengths, pages and contents stay as they were.
 #[derive(Clone, Debug)]
@@ -424,8 +427,7 @@ impl<E: Operand> PagedKvCache<E> {
     /// than once. See the type's docs for how pages are read.
     ///
     /// # Errors
-    /// [`AttnError::UnknownSequence`]; [`AttnError::BadParam`] for a forced kernel other than
-    /// [`Kernel::Decode`](crate::Kernel::Decode); otherwise as [`crate::sdpa`].
+    /// [`AttnError::UnknownSequence`]; otherwise as [`crate::sdpa`].
     pub fn attend<Q: Elem, O: Elem>(
         &self,
         seqs: &[SeqId],

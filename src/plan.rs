@@ -188,7 +188,7 @@ pub(crate) struct Plan<Q = f32, KV = f32, O = f32> {
     pub(crate) lse: *mut f32,
     pub(crate) weights: *mut f32,
     /// K and V in the pages of a paged cache: `k`, `v` and the scales address page 0 (strides
-    /// `[0, P·D, D]`), the table the rest. Only the decode kernel reads pages.
+    /// `[0, P·D, D]`), the table the rest.
     pub(crate) pages: Option<PagesPlan>,
 }
 
@@ -294,8 +294,7 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
     }
 
     /// Validates a call on a paged cache as [`Plan::new`] does, with `kv` in place of K, V and
-    /// their scales. Only the decode kernel walks page tables: [`Kernel::Auto`] takes it, a
-    /// forced other kernel and `weights` (which the decode kernel does not produce) are refused.
+    /// their scales. Both kernels walk page tables, chosen as for contiguous K and V.
     pub(crate) fn new_paged(
         q: &Tensor<Q>,
         kv: &PagedKv<KV>,
@@ -303,18 +302,6 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
         opts: &SdpaOptions,
         extras: &mut Extras,
     ) -> Result<Self> {
-        if !matches!(opts.kernel, Kernel::Auto | Kernel::Decode) {
-            return Err(AttnError::BadParam {
-                arg: "kernel",
-                reason: "a paged KV cache is read by the decode kernel only",
-            });
-        }
-        if extras.weights.is_some() {
-            return Err(AttnError::BadParam {
-                arg: "weights",
-                reason: "a paged KV cache is read by the decode kernel, which gives no weights",
-            });
-        }
         // Shape-only stand-ins for K and V (stride 0 everywhere, so any non-empty pool covers
         // them): `validate` checks everything else against them.
         let b = q.shape[0];
@@ -332,7 +319,6 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
             });
         };
         let mut plan = Plan::validate(q, &k, &v, out.shape, opts, extras)?;
-        plan.kernel = Kernel::Decode;
         let page = 1usize << kv.shift;
         let (pk, pv) = (page * kv.d, page * kv.dv);
         plan.k = kv.k.as_ptr();
@@ -368,7 +354,7 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
         Ok(())
     }
 
-    /// How the decode kernel addresses batch `b`'s K and V rows.
+    /// How the kernels address batch `b`'s K and V rows.
     pub(crate) fn pages_at(&self, b: usize) -> KvPages {
         match self.pages {
             Some(p) => KvPages {

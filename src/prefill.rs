@@ -7,7 +7,9 @@ use crate::options::Par;
 use crate::plan::{off, Plan};
 use crate::scratch::{run_tasks_scratch, try_with_scratch};
 use crate::view::store_rounded;
-use attnkit_kernels::{flash_forward_as, scratch_len_as, Dtype, Elem, FlashArgs, Stored};
+use attnkit_kernels::{
+    flash_forward_as, scratch_len_as, scratch_len_paged, Dtype, Elem, FlashArgs, Stored,
+};
 
 /// Query rows per task: enough to amortise packing each K/V block, few enough that long
 /// sequences give every core many tasks. Depends on the shape only, never on the thread count,
@@ -84,7 +86,12 @@ fn task_scratch_len<Q: Elem, KV: Stored, O: Elem>(p: &Plan<Q, KV, O>, m: usize) 
     } else {
         m.saturating_mul(s.dv)
     };
-    scratch_len_as::<Q, KV>(m, s.d, s.dv).saturating_add(staged)
+    let kernel = if p.pages.is_some() {
+        scratch_len_paged::<Q, KV>(m, s.d, s.dv)
+    } else {
+        scratch_len_as::<Q, KV>(m, s.d, s.dv)
+    };
+    kernel.saturating_add(staged)
 }
 
 /// One task: query block `qb` of head `h` (KV head `hk`) of batch `b`, with `scratch` of
@@ -147,6 +154,7 @@ fn task<Q: Elem, KV: Stored, O: Elem>(
                 p.weights.add(((b * s.hq + h) * s.lq + row0) * s.lk)
             },
             ldw: s.lk,
+            pages: p.pages_at(b),
         }
     };
     // SAFETY: `args` describes validated, in-bounds extents; this task's output rows (out,

@@ -729,19 +729,20 @@ fn kv_cache_decode_matches_reference() {
     }
 }
 
-/// The decode kernel's page walk (the key's page looked up per row, `P·V` split at page ends),
-/// on small shapes for Miri: a paged cache equals the contiguous one bit for bit.
+/// Both kernels' page walks (decode: the key's page looked up per row, `P·V` split at page ends;
+/// prefill: key blocks gathered across pages), on small shapes for Miri: a paged cache equals
+/// the contiguous one bit for bit.
 #[test]
 fn paged_cache_reads_through_its_page_table() {
     use attnkit::PagedKvCache;
-    let (hkv, hq, d, len) = (1, 2, 5, 7);
+    let (hkv, hq, d, len, lq) = (1, 2, 5, 7, 3);
     let k: Vec<f32> = (0..hkv * len * d)
         .map(|i| (i as f32 * 0.37).sin())
         .collect();
     let v: Vec<f32> = (0..hkv * len * d)
         .map(|i| (i as f32 * 0.11).cos())
         .collect();
-    let q: Vec<f32> = (0..hq * d).map(|i| (i as f32 * 0.23).sin()).collect();
+    let q: Vec<f32> = (0..hq * lq * d).map(|i| (i as f32 * 0.23).sin()).collect();
     let shape = [1, hkv, len, d];
     let mut flat = KvCache::new(1, hkv, len, d, d).unwrap();
     flat.append(&Tensor::bhld(&k, shape), &Tensor::bhld(&v, shape))
@@ -752,21 +753,19 @@ fn paged_cache_reads_through_its_page_table() {
     paged
         .append(&[s], &Tensor::bhld(&k, shape), &Tensor::bhld(&v, shape))
         .unwrap();
+    let out = [1, hq, lq, d];
     for isa in isas() {
-        let opts = SdpaOptions::new().isa(isa).kernel(Kernel::Decode);
-        let (mut want, mut got) = (vec![0.0f32; hq * d], vec![0.0f32; hq * d]);
-        let qt = Tensor::bhld(&q, [1, hq, 1, d]);
-        flat.attend(&qt, &mut TensorMut::bhld(&mut want, [1, hq, 1, d]), &opts)
-            .unwrap();
-        paged
-            .attend(
-                &[s],
-                &qt,
-                &mut TensorMut::bhld(&mut got, [1, hq, 1, d]),
-                &opts,
-            )
-            .unwrap();
-        assert_eq!(got, want, "{isa}");
+        for kernel in [Kernel::Decode, Kernel::Prefill] {
+            let opts = SdpaOptions::new().isa(isa).kernel(kernel);
+            let (mut want, mut got) = (vec![0.0f32; hq * lq * d], vec![0.0f32; hq * lq * d]);
+            let qt = Tensor::bhld(&q, [1, hq, lq, d]);
+            flat.attend(&qt, &mut TensorMut::bhld(&mut want, out), &opts)
+                .unwrap();
+            paged
+                .attend(&[s], &qt, &mut TensorMut::bhld(&mut got, out), &opts)
+                .unwrap();
+            assert_eq!(got, want, "{isa} {kernel:?}");
+        }
     }
 }
 

@@ -20,7 +20,7 @@ pub struct Inputs {
     /// computes on the same numbers.
     pub typed: [Typed; 3],
     /// K and V in a paged cache of `--paged` tokens a page, in `--kv-dtype`, pages scattered
-    /// over the pool (decode cases under `--paged` only).
+    /// over the pool (under `--paged`, for the cases [`Paged::suits`]).
     pub paged: Option<Paged>,
 }
 
@@ -103,9 +103,16 @@ impl Paged {
 
     /// `Some(reason)` for cases a paged cache's attention does not compute as the others do.
     fn suits(case: &Case) -> Option<String> {
-        // The cache's attention is bottom-right causal: for one query row, no mask at all.
-        (case.causal || case.lq != 1)
-            .then(|| "fused-paged: decode cases (Lq = 1, not causal)".into())
+        // The cache's attention is bottom-right causal: for one query row no mask at all, for a
+        // whole prompt (Lq = Lk) the same as the others' top-left mask.
+        let same = if case.causal {
+            case.lq == case.lk
+        } else {
+            case.lq == 1
+        };
+        (!same).then(|| {
+            "fused-paged: decode cases (Lq = 1, not causal) and causal prompts (Lq = Lk)".into()
+        })
     }
 
     fn attend<Q: Elem>(&self, case: &Case, q: &[Q], out: &mut [f32], opts: &SdpaOptions) {
@@ -491,16 +498,16 @@ impl Impl for FusedBackward {
     }
 }
 
-/// `PagedKvCache::attend`: the decode kernel reading K and V through page tables
-/// (`fused-paged`; `--paged PAGE` sets the page length).
+/// `PagedKvCache::attend`: the kernel `Kernel::Auto` picks, reading K and V through page
+/// tables (`fused-paged`; `--paged PAGE` sets the page length).
 struct FusedPaged;
 
 impl Impl for FusedPaged {
     fn name(&self) -> &'static str {
         "fused-paged"
     }
-    fn isa_label(&self, isa: Isa, _case: &Case) -> String {
-        format!("{}/decode", isa.name())
+    fn isa_label(&self, isa: Isa, case: &Case) -> String {
+        Fused("fused", Kernel::Auto).isa_label(isa, case)
     }
     fn skip(&self, case: &Case) -> Option<String> {
         Paged::suits(case)

@@ -77,7 +77,8 @@ RUN
                       values plus 4 bytes of scale a row)
   --paged PAGE        K and V of fused-paged (opt-in: --impl fused,fused-paged,read-kv) in a
                       PagedKvCache of PAGE tokens a page (a power of two), in --kv-dtype, its
-                      pages scattered over the pool; decode cases (Lq = 1, not causal) only
+                      pages scattered over the pool; decode cases (Lq = 1, not causal) and
+                      causal prompts (Lq = Lk: the cache's bottom-right mask is top-left there)
   --naive-max M       largest case for naive, in millions of multiply-adds (default 32)
   --peak GFLOPS       one thread's FMA peak, instead of the probe (scaled by the thread count)
 OUTPUT

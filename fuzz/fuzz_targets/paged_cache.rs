@@ -314,18 +314,24 @@ impl<E: Operand> Fx<E> {
         let window = chance(u, 1, 4)?.then(|| 1 + small(u, 20).unwrap_or(0));
         let q = self.rng.values(n * hq * lq * self.d);
         let (qs, os) = ([n, hq, lq, self.d], [n, hq, lq, self.dv]);
-        let mut opts = SdpaOptions::new().kernel(Kernel::Decode);
+        let mut opts = SdpaOptions::new();
         if let Some(w) = window {
             opts = opts.window(w);
         }
+        // Both kernels read pages; each run is compared with the same kernel on a contiguous
+        // cache (the kernel is not drawn from the input, so the corpus keeps its meaning).
+        const KERNELS: [Kernel; 2] = [Kernel::Decode, Kernel::Prefill];
         let mut outs = Vec::new();
-        for par in [Par::Seq, Par::Rayon] {
+        for (kernel, par) in KERNELS
+            .into_iter()
+            .flat_map(|k| [Par::Seq, Par::Rayon].map(|p| (k, p)))
+        {
             let mut out = vec![f32::NAN; n * hq * lq * self.dv];
             let r = self.c.attend(
                 &seqs,
                 &Tensor::bhld(&q, qs),
                 &mut TensorMut::bhld(&mut out, os),
-                &opts.par(par),
+                &opts.par(par).kernel(kernel),
             );
             match r {
                 Ok(()) => assert!(!unknown, "attend of a dead sequence accepted"),
@@ -338,7 +344,7 @@ impl<E: Operand> Fx<E> {
                     return Ok(());
                 }
             }
-            outs.push(out);
+            outs.push((kernel, out));
         }
         // The same tokens in a contiguous cache of the same type.
         let lens: Vec<usize> = seqs.iter().map(|s| self.live[s].k.len()).collect();
@@ -365,22 +371,24 @@ impl<E: Operand> Fx<E> {
         for (b, &len) in lens.iter().enumerate() {
             flat.truncate(b, len).unwrap();
         }
-        let mut want = vec![f32::NAN; n * hq * lq * self.dv];
-        flat.attend(
-            &Tensor::bhld(&q, qs),
-            &mut TensorMut::bhld(&mut want, os),
-            &opts,
-        )
-        .unwrap();
-        for out in &outs {
-            let same = out
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                same,
-                "paged attend differs from the contiguous cache: lens {lens:?}"
-            );
+        for kernel in KERNELS {
+            let mut want = vec![f32::NAN; n * hq * lq * self.dv];
+            flat.attend(
+                &Tensor::bhld(&q, qs),
+                &mut TensorMut::bhld(&mut want, os),
+                &opts.kernel(kernel),
+            )
+            .unwrap();
+            for (_, out) in outs.iter().filter(|(k, _)| *k == kernel) {
+                let same = out
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "paged attend ({kernel:?}) differs from the contiguous cache: lens {lens:?}"
+                );
+            }
         }
         Ok(())
     }

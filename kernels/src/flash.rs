@@ -21,6 +21,7 @@
 
 use crate::elem::{get, Dtype, Elem, Stored};
 use crate::gemm::{Accum, Epilogue, Plain, Softcap, Tiles};
+use crate::pages::KvPages;
 use crate::score::{finish, ScoreSpec};
 use crate::simd::{aligned, exp2, ScaledTanh, Simd, SimdDiv, ALIGN_SLACK};
 use half::{bf16, f16};
@@ -51,16 +52,16 @@ pub struct FlashArgs<Q: Elem = f32, KV: Stored = f32> {
     pub q: *const Q,
     /// Row stride of Q.
     pub ldq: usize,
-    /// K rows: element `(j, p)` at `k + j*ldk + p`.
+    /// K rows: element `(j, p)` at `k + j*ldk + p` (in a paged cache: see [`KvPages`]).
     pub k: *const KV,
     /// Row stride of K.
     pub ldk: usize,
-    /// V rows: element `(j, c)` at `v + j*ldv + c`.
+    /// V rows: element `(j, c)` at `v + j*ldv + c` (as `k`).
     pub v: *const KV,
     /// Row stride of V.
     pub ldv: usize,
-    /// `i8` K only: key row `j` is `k_scale[j]·K[j]` (`n` values). Unused (may be null) for
-    /// the float types.
+    /// `i8` K only: key row `j` is `k_scale[j]·K[j]` (`n` values; paged as `k`). Unused (may be
+    /// null) for the float types.
     pub k_scale: *const f32,
     /// `i8` V only: value row `j` is `v_scale[j]·V[j]`, as `k_scale`.
     pub v_scale: *const f32,
@@ -74,6 +75,11 @@ pub struct FlashArgs<Q: Elem = f32, KV: Stored = f32> {
     pub weights: *mut f32,
     /// Row stride of the weights.
     pub ldw: usize,
+    /// How K, V and the scales are addressed: [`KvPages::contiguous`] for `k + j·ldk`, or a page
+    /// table. Paged rows are read in place where a key block lies in one page, else gathered
+    /// (widened) a block at a time, never as a copy of the whole cache; they always take the
+    /// f32 products ([`crate::FlashPath::Widened`]).
+    pub pages: KvPages,
 }
 
 /// Products per FMA chain in a score (the rest are summed through the tile): one chain of 256 at
@@ -105,7 +111,14 @@ pub fn scratch_len(m: usize, d: usize, dv: usize) -> usize {
 /// and K, V of type `KV` (enough for every ISA). Saturates rather than overflows, so an
 /// absurd shape asks for an allocation that fails.
 pub fn scratch_len_as<Q: Elem, KV: Stored>(m: usize, d: usize, dv: usize) -> usize {
-    Layout::new(m, d, dv, Operands::of::<Q, KV>()).total()
+    Layout::new(m, d, dv, Operands::of::<Q, KV>(false)).total()
+}
+
+/// [`scratch_len_as`] for K and V read through a page table ([`FlashArgs::pages`] not
+/// contiguous): f32 blocks that straddle pages are gathered, so f32 needs the buffers 16-bit
+/// operands have.
+pub fn scratch_len_paged<Q: Elem, KV: Stored>(m: usize, d: usize, dv: usize) -> usize {
+    Layout::new(m, d, dv, Operands::of::<Q, KV>(true)).total()
 }
 
 /// Lengths of the kernel's scratch buffers (see [`forward_with`]), each a lane multiple: the
@@ -155,7 +168,8 @@ impl Layout {
 }
 
 /// Buffer lengths of the widening path ([`Widened`]), in floats: Q̂ᵀ (`d × mp`), the widened K
-/// and V key blocks and the widened Q (zero for f32 operands, which are read in place).
+/// and V key blocks and the widened Q (zero for f32 operands read in place; paged f32 K and V
+/// need their blocks for the ones that straddle pages).
 /// Saturating, so an absurd shape asks for an allocation that fails.
 struct WideLens {
     qt: usize,
@@ -170,8 +184,16 @@ impl WideLens {
         let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
         WideLens {
             qt: d.saturating_mul(mp),
-            kw: wide(ops.kv, d.saturating_mul(kb)),
-            vw: wide(ops.kv, dv.saturating_mul(kb)),
+            kw: if ops.paged {
+                d.saturating_mul(kb)
+            } else {
+                wide(ops.kv, d.saturating_mul(kb))
+            },
+            vw: if ops.paged {
+                dv.saturating_mul(kb)
+            } else {
+                wide(ops.kv, dv.saturating_mul(kb))
+            },
             qw: wide(ops.q, m.saturating_mul(d)),
         }
     }
@@ -247,11 +269,12 @@ unsafe fn widen_rows<S: Simd, E: Stored, const SCALED: bool>(
     }
 }
 
-/// [`widen_rows`] from elements of type `dt`; `i8` rows are multiplied by their `scale`.
+/// [`widen_rows`] from elements of type `dt` (f32 rows are copied); `i8` rows are multiplied by
+/// their `scale`.
 ///
 /// # Safety
-/// As [`widen_rows`], `src` pointing at `dt` elements (not f32, which is never widened), `scale`
-/// readable for `rows` values when `dt` is `i8`.
+/// As [`widen_rows`], `src` pointing at `dt` elements, `scale` readable for `rows` values when
+/// `dt` is `i8`.
 #[inline(always)]
 unsafe fn widen_any<S: Simd>(
     dt: Dtype,
@@ -268,7 +291,7 @@ unsafe fn widen_any<S: Simd>(
             Dtype::Bf16 => widen_rows::<S, bf16, false>(src.cast(), lds, rows, cols, dst, scale),
             Dtype::F16 => widen_rows::<S, f16, false>(src.cast(), lds, rows, cols, dst, scale),
             Dtype::I8 => widen_rows::<S, i8, true>(src.cast(), lds, rows, cols, dst, scale),
-            Dtype::F32 => unreachable!("f32 operands are read in place"),
+            Dtype::F32 => widen_rows::<S, f32, false>(src.cast(), lds, rows, cols, dst, scale),
         }
     }
 }
@@ -297,6 +320,7 @@ pub(crate) fn erase<Q: Elem, KV: Stored>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Op
         lse,
         weights,
         ldw,
+        pages,
     } = *a;
     let erased = FlashArgs {
         m,
@@ -318,22 +342,26 @@ pub(crate) fn erase<Q: Elem, KV: Stored>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Op
         lse,
         weights,
         ldw,
+        pages,
     };
-    (erased, Operands::of::<Q, KV>())
+    (erased, Operands::of::<Q, KV>(!pages.is_contiguous()))
 }
 
-/// The element types behind an [`erase`]d argument set's `q` and its `k`, `v`.
+/// The element types behind an [`erase`]d argument set's `q` and its `k`, `v`, and whether K
+/// and V are read through a page table.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Operands {
     pub(crate) q: Dtype,
     pub(crate) kv: Dtype,
+    pub(crate) paged: bool,
 }
 
 impl Operands {
-    fn of<Q: Elem, KV: Stored>() -> Self {
+    fn of<Q: Elem, KV: Stored>(paged: bool) -> Self {
         Operands {
             q: Q::DTYPE,
             kv: KV::DTYPE,
+            paged,
         }
     }
 }
@@ -468,24 +496,35 @@ impl<S: Tiles + SimdDiv> Products<S> for Widened<'_> {
         epi: F,
     ) {
         let d = a.d;
-        // SAFETY: keys `< j0 + nb ≤ n` of K and V; the buffers hold a key block.
+        // SAFETY: keys `< j0 + nb ≤ n` of K and V (and their scales), through the page table,
+        // which covers keys `< n`; the buffers hold a key block (widened or gathered when paged).
         unsafe {
-            let (kb, ldk) = match self.ops.kv {
-                Dtype::F32 => {
-                    (self.vb, self.ldv) = (a.v.add(j0 * a.ldv), a.ldv);
-                    (a.k.add(j0 * a.ldk), a.ldk)
+            let pg = &a.pages;
+            let (kb, ldk) = if self.ops.kv == Dtype::F32 && pg.page_end(j0) >= j0 + nb {
+                // In place: contiguous rows, or a block inside one page.
+                let v = a.v.add(pg.at(j0, pg.v_stride, a.ldv));
+                (self.vb, self.ldv) = (v, a.ldv);
+                (a.k.add(pg.at(j0, pg.k_stride, a.ldk)), a.ldk)
+            } else {
+                // Widened (or, for f32 straddling pages, gathered) one page's run at a time.
+                // Element offsets of the real type: step the typed pointers.
+                let dt = self.ops.kv;
+                let size = dt.size();
+                let (k, v) = (a.k.cast::<u8>(), a.v.cast::<u8>());
+                let (kw, vw) = (self.kw.as_mut_ptr(), self.vw.as_mut_ptr());
+                let mut j = j0;
+                while j < j0 + nb {
+                    let (e, r) = (pg.page_end(j).min(j0 + nb), j - j0);
+                    let ks = a.k_scale.wrapping_add(pg.at(j, pg.scale_stride, 1));
+                    let vs = a.v_scale.wrapping_add(pg.at(j, pg.scale_stride, 1));
+                    let ko = pg.at(j, pg.k_stride, a.ldk) * size;
+                    let vo = pg.at(j, pg.v_stride, a.ldv) * size;
+                    widen_any::<S>(dt, k.add(ko), a.ldk, e - j, d, kw.add(r * d), ks);
+                    widen_any::<S>(dt, v.add(vo), a.ldv, e - j, a.dv, vw.add(r * a.dv), vs);
+                    j = e;
                 }
-                dt => {
-                    // Element offsets of the real type: step the typed pointers.
-                    let size = dt.size();
-                    let (k, v) = (a.k.cast::<u8>(), a.v.cast::<u8>());
-                    let (kw, vw) = (self.kw.as_mut_ptr(), self.vw.as_mut_ptr());
-                    let (ks, vs) = (a.k_scale.wrapping_add(j0), a.v_scale.wrapping_add(j0));
-                    widen_any::<S>(dt, k.add(j0 * a.ldk * size), a.ldk, nb, d, kw, ks);
-                    widen_any::<S>(dt, v.add(j0 * a.ldv * size), a.ldv, nb, a.dv, vw, vs);
-                    (self.vb, self.ldv) = (vw, a.dv);
-                    (kw.cast_const(), d)
-                }
+                (self.vb, self.ldv) = (vw, a.dv);
+                (kw.cast_const(), d)
             };
             S::block(
                 nb,

@@ -28,6 +28,7 @@ mod gemm;
 mod gemv;
 mod heads;
 mod isa;
+mod pages;
 pub mod reference;
 mod score;
 mod simd;
@@ -35,14 +36,15 @@ mod simd;
 mod x86_64;
 
 pub use decode::{
-    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk, KvPages,
+    decode_scratch_len, merge_partials, partial_len, DecodeArgs, DecodeRow, DecodeWalk,
     DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
 };
 pub use elem::{Dtype, Elem, Stored};
-pub use flash::{key_block, scratch_len, scratch_len_as, FlashArgs};
+pub use flash::{key_block, scratch_len, scratch_len_as, scratch_len_paged, FlashArgs};
 pub use half::{bf16, f16};
 pub use heads::{merge_heads, split_heads};
 pub use isa::{Isa, IsaError};
+pub use pages::KvPages;
 pub use score::{visible_range, Alibi, CausalOffset, ScoreSpec};
 
 use gemm::Accum;
@@ -96,6 +98,9 @@ isa_fn!(flash_widened(args: &FlashArgs, ops: flash::Operands, scratch: &mut [f32
 unsafe fn flash_isa(isa: Isa, args: &FlashArgs, ops: flash::Operands, scratch: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     match flash_path(isa, ops.q, ops.kv, args.d) {
+        // Paged K and V: the pair and tile paths read rows in place, the widening path through
+        // the table.
+        _ if ops.paged => {}
         // SAFETY: forwarded contract; `Amx` is supported (AVX-512 BF16 too, and the tiles).
         FlashPath::AmxTiles => return unsafe { x86_64::amx::forward(args, ops, scratch) },
         // SAFETY: forwarded contract; `Avx512Bf16` is supported (AVX-512 F, BW, VL, BF16).
@@ -120,9 +125,10 @@ isa_fn!(block_isa<A: Elem, B: Elem>(m: usize, nvec: usize, kc: usize, chain: usi
 /// # Safety
 /// * `isa.is_supported()`;
 /// * every pointer in `args` is valid for the extents it describes (rows `< m` of Q, O, bias,
-///   mask, lse, weights; rows `< n` of K and V and, for `i8` K and V, of their scales; `d`/`dv`
-///   columns, `n` columns of bias, mask and weights) and the written ranges (O, lse, weights) overlap nothing else that is read or
-///   written concurrently;
+///   mask, lse, weights; rows `< n` of K and V and, for `i8` K and V, of their scales, addressed
+///   through `pages`, whose table has an entry for every page a key `< n` falls in; `d`/`dv`
+///   columns, `n` columns of bias, mask and weights) and the written ranges (O, lse, weights)
+///   overlap nothing else that is read or written concurrently;
 /// * `key_len ≤ n`; `scratch.len() ≥ scratch_len(m, d, dv)`.
 pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
     // SAFETY: forwarded contract.
@@ -133,16 +139,19 @@ pub unsafe fn flash_forward(isa: Isa, args: &FlashArgs, scratch: &mut [f32]) {
 /// rest is the same kernel, compiled here once for every type).
 ///
 /// # Safety
-/// As [`flash_forward`], with `scratch.len() ≥ scratch_len_as::<Q, KV>(m, d, dv)`.
+/// As [`flash_forward`], with `scratch.len() ≥ scratch_len_as::<Q, KV>(m, d, dv)`
+/// ([`scratch_len_paged`] when `args.pages` is a page table).
 pub unsafe fn flash_forward_as<Q: Elem, KV: Stored>(
     isa: Isa,
     args: &FlashArgs<Q, KV>,
     scratch: &mut [f32],
 ) {
-    assert!(
-        scratch.len() >= scratch_len_as::<Q, KV>(args.m, args.d, args.dv),
-        "flash scratch too short"
-    );
+    let need = if args.pages.is_contiguous() {
+        scratch_len_as::<Q, KV>(args.m, args.d, args.dv)
+    } else {
+        scratch_len_paged::<Q, KV>(args.m, args.d, args.dv)
+    };
+    assert!(scratch.len() >= need, "flash scratch too short");
     let (args, ops) = flash::erase(args);
     // SAFETY: forwarded contract; `ops` names the types behind the erased pointers.
     unsafe { flash_isa(isa, &args, ops, scratch) }
@@ -175,7 +184,8 @@ impl FlashPath {
 }
 
 /// The products [`flash_forward_as`] uses on `isa` for Q of type `q`, K and V of type `kv`, and
-/// head dimension `d`.
+/// head dimension `d`, with contiguous K and V (paged K and V always take
+/// [`FlashPath::Widened`]).
 pub fn flash_path(isa: Isa, q: Dtype, kv: Dtype, d: usize) -> FlashPath {
     let bf16 = q == Dtype::Bf16 && kv == Dtype::Bf16;
     match isa {

@@ -69,6 +69,7 @@ fn flash<Q: Elem, KV: Elem>(
         lse: lse.as_mut_ptr(),
         weights: std::ptr::null_mut(),
         ldw: 0,
+        pages: KvPages::contiguous(),
     };
     let mut scratch = vec![0.0f32; scratch_len_as::<Q, KV>(s.m, s.d, s.dv)];
     kernel(&args, &mut scratch);

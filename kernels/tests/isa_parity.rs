@@ -1,7 +1,9 @@
 //! Every kernel on every ISA this CPU has, against its f64 twin in `reference`.
 //! Set `ATTNKIT_REQUIRE_ISAS=avx2,avx512` to fail (not skip) when a path is missing.
 
-use attnkit_kernels::{flash_forward, reference, scratch_len, Alibi, FlashArgs, ScoreSpec};
+use attnkit_kernels::{
+    flash_forward, reference, scratch_len, Alibi, FlashArgs, KvPages, ScoreSpec,
+};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -216,6 +218,7 @@ fn flash_forward_matches_reference() {
                 lse: lse.as_mut_ptr(),
                 weights: wts.as_mut_ptr(),
                 ldw: n,
+                pages: KvPages::contiguous(),
             };
             let mut scratch = vec![0.0f32; scratch_len(m, d, dv)];
             // SAFETY: every buffer above covers the extents in `args`; the ISA is supported.
