@@ -181,20 +181,13 @@ struct WideLens {
 impl WideLens {
     fn new(m: usize, mp: usize, d: usize, dv: usize, ops: Operands) -> Self {
         let kb = key_block(d);
-        let wide = |dt: Dtype, x: usize| if dt == Dtype::F32 { 0 } else { x };
+        let needs = |wide: bool, x: usize| if wide { x } else { 0 };
+        let kv = ops.kv != Dtype::F32 || ops.paged;
         WideLens {
             qt: d.saturating_mul(mp),
-            kw: if ops.paged {
-                d.saturating_mul(kb)
-            } else {
-                wide(ops.kv, d.saturating_mul(kb))
-            },
-            vw: if ops.paged {
-                dv.saturating_mul(kb)
-            } else {
-                wide(ops.kv, dv.saturating_mul(kb))
-            },
-            qw: wide(ops.q, m.saturating_mul(d)),
+            kw: needs(kv, d.saturating_mul(kb)),
+            vw: needs(kv, dv.saturating_mul(kb)),
+            qw: needs(ops.q != Dtype::F32, m.saturating_mul(d)),
         }
     }
 
@@ -515,8 +508,8 @@ impl<S: Tiles + SimdDiv> Products<S> for Widened<'_> {
                 let mut j = j0;
                 while j < j0 + nb {
                     let (e, r) = (pg.page_end(j).min(j0 + nb), j - j0);
-                    let ks = a.k_scale.wrapping_add(pg.at(j, pg.scale_stride, 1));
-                    let vs = a.v_scale.wrapping_add(pg.at(j, pg.scale_stride, 1));
+                    let so = pg.at(j, pg.scale_stride, 1);
+                    let (ks, vs) = (a.k_scale.wrapping_add(so), a.v_scale.wrapping_add(so));
                     let ko = pg.at(j, pg.k_stride, a.ldk) * size;
                     let vo = pg.at(j, pg.v_stride, a.ldv) * size;
                     widen_any::<S>(dt, k.add(ko), a.ldk, e - j, d, kw.add(r * d), ks);
