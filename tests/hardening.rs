@@ -729,11 +729,16 @@ fn kv_cache_decode_matches_reference() {
     }
 }
 
-/// Both kernels' page walks (decode: the key's page looked up per row, `P·V` split at page ends;
+/// Both kernels' page walks (decode: rows addressed per page run, `P·V` split at page ends;
 /// prefill: key blocks gathered across pages), on small shapes for Miri: a paged cache equals
-/// the contiguous one bit for bit.
+/// the contiguous one bit for bit, in f32 and in int8 (whose scales are paged too).
 #[test]
 fn paged_cache_reads_through_its_page_table() {
+    paged_equals_contiguous::<f32>();
+    paged_equals_contiguous::<i8>();
+}
+
+fn paged_equals_contiguous<E: attnkit::Operand>() {
     use attnkit::PagedKvCache;
     let (hkv, hq, d, len, lq) = (1, 2, 5, 7, 3);
     let k: Vec<f32> = (0..hkv * len * d)
@@ -744,10 +749,10 @@ fn paged_cache_reads_through_its_page_table() {
         .collect();
     let q: Vec<f32> = (0..hq * lq * d).map(|i| (i as f32 * 0.23).sin()).collect();
     let shape = [1, hkv, len, d];
-    let mut flat = KvCache::new(1, hkv, len, d, d).unwrap();
+    let mut flat = KvCache::<E>::new_of(1, hkv, len, d, d).unwrap();
     flat.append(&Tensor::bhld(&k, shape), &Tensor::bhld(&v, shape))
         .unwrap();
-    let mut paged = PagedKvCache::new(hkv, d, d, 2, 6).unwrap();
+    let mut paged = PagedKvCache::<E>::new_of(hkv, d, d, 2, 6).unwrap();
     paged.shuffle_free_pages(&[3, 0, 5, 1, 4, 2]).unwrap();
     let s = paged.add_sequence();
     paged
