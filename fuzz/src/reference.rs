@@ -62,12 +62,49 @@ impl Spec<'_> {
     }
 
     /// Softmax attention of every row. `q(b, h, i, x)`, `k(b, hk, j, x)`, `v(b, hk, j, x)`.
+    ///
+    /// The operands are read once into dense arrays: the accessors are the targets' closures,
+    /// compiled (and traced for coverage) in each target, and called per multiply-add they took
+    /// two thirds of an execution.
     pub fn attention(
         &self,
         q: impl Fn(usize, usize, usize, usize) -> f64,
         k: impl Fn(usize, usize, usize, usize) -> f64,
         v: impl Fn(usize, usize, usize, usize) -> f64,
     ) -> Expected {
+        let Dims {
+            b,
+            hq,
+            hkv,
+            lq,
+            lk,
+            d,
+            dv,
+        } = self.dims;
+        // With no rows nothing is read, and K and V may be huge broadcast views.
+        if b * hq * lq == 0 {
+            return self.attention_dense(&[], &[], &[]);
+        }
+        let dense = |f: &dyn Fn(usize, usize, usize, usize) -> f64, h, l, n| {
+            let mut a = Vec::with_capacity(b * h * l * n);
+            for bi in 0..b {
+                for hi in 0..h {
+                    for li in 0..l {
+                        a.extend((0..n).map(|x| f(bi, hi, li, x)));
+                    }
+                }
+            }
+            a
+        };
+        self.attention_dense(
+            &dense(&q, hq, lq, d),
+            &dense(&k, hkv, lk, d),
+            &dense(&v, hkv, lk, dv),
+        )
+    }
+
+    /// [`Self::attention`] on dense `(B, H, L, D)` arrays.
+    fn attention_dense(&self, q: &[f64], k: &[f64], v: &[f64]) -> Expected {
         let Dims {
             b: nb,
             hq,
@@ -102,8 +139,10 @@ impl Spec<'_> {
                         };
                         *logit = bias.filter(|_| self.visible(b, i, j)).map(|bias| {
                             let (mut dot, mut abs) = (0.0, 0.0);
-                            for x in 0..d {
-                                let p = q(b, h, i, x) * k(b, hk, j, x);
+                            let qr = &q[((b * hq + h) * lq + i) * d..][..d];
+                            let kr = &k[((b * hkv + hk) * lk + j) * d..][..d];
+                            for (&qx, &kx) in qr.iter().zip(kr) {
+                                let p = qx * kx;
                                 dot += p;
                                 abs += p.abs();
                             }
@@ -139,8 +178,8 @@ impl Spec<'_> {
                         let Some(s) = s else { continue };
                         let p = (s - mx).exp() / sum;
                         e.weights[r * lk + j] = p;
-                        for x in 0..dv {
-                            let vx = v(b, hk, j, x);
+                        let vr = &v[((b * hkv + hk) * lk + j) * dv..][..dv];
+                        for (x, &vx) in vr.iter().enumerate() {
                             e.vmax[r] = e.vmax[r].max(vx.abs());
                             e.out[r * dv + x] += p * vx;
                         }
