@@ -221,12 +221,15 @@ fn mismatch(arg: &'static str, dim: &'static str, expected: usize, got: usize) -
     }
 }
 
-/// The strides the kernels step by for rows `width` wide: none for empty rows (they are never
-/// dereferenced, so no pointer steps past an empty buffer), and 0 for size-1 dimensions (never
-/// stepped; a huge one there would pass validation, then overflow the kernels' signed strides).
+/// The strides the kernels step by for rows `width` wide: none for empty rows or views with a
+/// zero-sized dimension (nothing is dereferenced, so no pointer steps past an empty buffer;
+/// validation bounds no stride of such a view, and `b·s₀ + h·s₁` overflowed), and 0 for size-1
+/// dimensions (never stepped; a huge one there would pass validation, then overflow the
+/// kernels' signed strides).
 pub(crate) fn used_strides(width: usize, shape: [usize; 4], strides: [usize; 3]) -> [usize; 3] {
+    let empty = width == 0 || shape.contains(&0);
     core::array::from_fn(|i| {
-        if width == 0 || shape[i] == 1 {
+        if empty || shape[i] == 1 {
             0
         } else {
             strides[i]

@@ -491,6 +491,51 @@ fn zero_sized_dimensions_with_huge_others() {
     assert!(matches!(r, Err(AttnError::Overflow { .. })), "{r:?}");
 }
 
+/// Fuzzing (`sdpa`, 2026-12-06): a view with a zero-sized dimension addresses no element, so
+/// validation accepts any strides on its other dimensions; the kernels still offset their base
+/// pointers by `b·s₀ + h·s₁`, which overflowed (a debug-build panic; in release a wrapped
+/// offset, `ptr.add` out of bounds). Here K and V have no keys and strides near `usize::MAX`.
+#[test]
+fn empty_views_with_huge_strides() {
+    let (b, h, d, dv) = (3, 2, 5, 3);
+    let q = vals(b * h * d, 1);
+    let huge = [usize::MAX / 3, usize::MAX, usize::MAX / 2 + 7];
+    let e: [f32; 0] = [];
+    for isa in isas() {
+        for path in [Kernel::Prefill, Kernel::Decode] {
+            let mut out = vec![f32::NAN; b * h * dv];
+            let mut lse = vec![0.0f32; b * h];
+            sdpa_ext(
+                &Tensor::bhld(&q, [b, h, 1, d]),
+                &Tensor::strided(&e, [b, h, 0, d], huge),
+                &Tensor::strided(&e, [b, h, 0, dv], huge),
+                &mut TensorMut::bhld(&mut out, [b, h, 1, dv]),
+                &opts_for(isa).kernel(path),
+                Extras {
+                    lse: Some(&mut lse),
+                    weights: None,
+                },
+            )
+            .unwrap();
+            // No key: a fully masked row, zero output and lse −inf.
+            assert!(out.iter().all(|&x| x == 0.0), "{isa} {path:?}");
+            assert!(
+                lse.iter().all(|&x| x == f32::NEG_INFINITY),
+                "{isa} {path:?}"
+            );
+            // The same with an empty query view of huge strides and an empty output.
+            sdpa(
+                &Tensor::strided(&e, [b, h, 0, d], huge),
+                &Tensor::bhld(&q, [b, h, 1, d]),
+                &Tensor::bhld(&q[..b * h * dv], [b, h, 1, dv]),
+                &mut TensorMut::strided(&mut [0.0f32; 0], [b, h, 0, dv], huge),
+                &opts_for(isa).kernel(path),
+            )
+            .unwrap();
+        }
+    }
+}
+
 /// Debug-build overflow: `Tokens` constructors (documented never to fail) multiplied their
 /// sizes unchecked; an impossible view now fails when a layer validates it.
 #[test]

@@ -580,10 +580,13 @@ impl Ctx {
             sd2,
             "MultiheadAttention through its state_dict"
         );
+        // The layer's own configuration: `kdim` / `vdim` left unset are read from a checkpoint
+        // with separate projections.
+        let run_cfg = *mha.config();
         let (e, kdim, vdim) = (
-            cfg.embed_dim,
-            cfg.kdim.unwrap_or(cfg.embed_dim),
-            cfg.vdim.unwrap_or(cfg.embed_dim),
+            run_cfg.embed_dim,
+            run_cfg.kdim.unwrap_or(run_cfg.embed_dim),
+            run_cfg.vdim.unwrap_or(run_cfg.embed_dim),
         );
         let mut expect = Expect::default();
         let [b, lq] = self.lengths(u, &[e, kdim, vdim], &mut expect)?;

@@ -316,7 +316,8 @@ impl MultiheadAttention {
         })
     }
 
-    /// The configuration.
+    /// The configuration, with `kdim` / `vdim` filled in where
+    /// [`from_state_dict`](Self::from_state_dict) read them from the checkpoint.
     pub fn config(&self) -> &MhaConfig {
         &self.cfg
     }
