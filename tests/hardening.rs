@@ -536,6 +536,55 @@ fn empty_views_with_huge_strides() {
     }
 }
 
+/// Found beside the previous one: the layers addressed `Tokens` with a zero-sized dimension
+/// (here the feature width) through strides validation cannot bound. `Linear` overflowed
+/// `b·s₀` (a debug-build panic, a wrapped pointer in release), and the dense copy the training
+/// paths keep indexed past the buffer (a release-build panic).
+#[test]
+fn empty_token_views_with_huge_strides() {
+    let huge = [usize::MAX / 2, usize::MAX / 3];
+    let empty = Tokens::strided(&[], [2, 5, 0], huge);
+    // Linear from no features: the bias in every row.
+    let lin = |o: usize, i: usize| Linear::new(vals(o * i, 3), Some(vals(o, 4)), o, i).unwrap();
+    let y = lin(4, 0).forward(&empty, Par::Seq).unwrap();
+    assert_eq!(y, vals(4, 4).repeat(10));
+    // Single-head self-attention over empty-width tokens: forward and training forward agree.
+    let sa = attnkit::SelfAttention::new(lin(4, 0), lin(4, 0), lin(3, 0)).unwrap();
+    let y = sa.forward(&empty, &MhaOptions::new()).unwrap().out;
+    let (t, _) = sa.forward_train(&empty, &MhaOptions::new()).unwrap();
+    assert_eq!(y.len(), 2 * 5 * 3);
+    assert_eq!(t.out, y);
+    assert!(y.iter().all(|x| x.is_finite()));
+    // Additive attention with keys, then values, of width 0.
+    let add = |key_dim: usize| {
+        AdditiveAttention::new(&AdditiveWeights {
+            dims: AdditiveDims {
+                attn_dim: 2,
+                query_dim: 4,
+                key_dim,
+            },
+            w_q: &vals(8, 5),
+            w_k: &vals(2 * key_dim, 6),
+            bias: None,
+            v: &[1.0; 2],
+        })
+        .unwrap()
+    };
+    let q = vals(8, 7);
+    let q = Tokens::ble(&q, [2, 1, 4]);
+    let (kv4, kv2) = (vals(40, 8), vals(20, 9));
+    let opts = AdditiveOptions::new();
+    let out = add(0)
+        .forward(&q, &empty, &Tokens::ble(&kv2, [2, 5, 2]), &opts)
+        .unwrap();
+    assert!(out.out.iter().all(|x| x.is_finite()));
+    let keys = Tokens::ble(&kv4, [2, 5, 4]);
+    let out = add(4).forward(&q, &keys, &empty, &opts).unwrap();
+    assert!(out.out.is_empty());
+    let (train, _) = add(4).forward_train(&q, &keys, &empty, &opts).unwrap();
+    assert_eq!(train.out, out.out);
+}
+
 /// Debug-build overflow: `Tokens` constructors (documented never to fail) multiplied their
 /// sizes unchecked; an impossible view now fails when a layer validates it.
 #[test]

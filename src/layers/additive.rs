@@ -592,7 +592,7 @@ impl AdditiveAttention {
                 SendConst(self.w_k.as_ptr()),
                 SendPtr(kt.as_mut_ptr()),
             );
-            let [ksb, ksl] = keys.strides;
+            let [ksb, ksl] = keys.addr_strides();
             let dk = self.dk;
             run_tasks(exec.par, b * kblocks, b * lk * dk * a, |t| {
                 let (bi, j0) = (t / kblocks, (t % kblocks) * K_BLOCK);
@@ -624,7 +624,7 @@ impl AdditiveAttention {
         // Attention: tasks of (batch element, query block).
         let os = queries.dense_strides(dv);
         let qblocks = lq.div_ceil(Q_BLOCK);
-        let (vsb, vsl) = (values.strides[0], values.strides[1]);
+        let [vsb, vsl] = values.addr_strides();
         let ptrs = (
             SendConst(qp.as_ptr()),
             SendConst(kt.as_ptr()),

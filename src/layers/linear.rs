@@ -58,7 +58,7 @@ pub(crate) unsafe fn project(
     ys: [usize; 2],
 ) {
     let [b, l, k] = x.shape;
-    let [xb, xl] = x.strides;
+    let [xb, xl] = x.addr_strides();
     if b == 0 || l == 0 || n == 0 {
         return;
     }

@@ -99,13 +99,23 @@ impl<'a> Tokens<'a> {
             [self.strides[0], 0, self.strides[1]],
         )
     }
+    /// The strides to address elements by: `strides`, or none when the view has no element
+    /// (validation bounds no stride of such a view, so `b·s₀ + l·s₁` could overflow).
+    pub(crate) fn addr_strides(&self) -> [usize; 2] {
+        if self.shape.contains(&0) {
+            [0, 0]
+        } else {
+            self.strides
+        }
+    }
     /// A dense batch-first `(B, L, E)` copy (what training keeps of an input).
     pub(crate) fn dense_ble(&self) -> Result<Vec<f32>> {
         let [b, l, e] = self.shape;
         let mut y = zeros_for("input", &[b, l, e])?;
+        let [sb, sl] = self.addr_strides();
         for bi in 0..b {
             for li in 0..l {
-                let src = bi * self.strides[0] + li * self.strides[1];
+                let src = bi * sb + li * sl;
                 y[(bi * l + li) * e..][..e].copy_from_slice(&self.data[src..src + e]);
             }
         }
