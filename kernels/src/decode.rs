@@ -544,8 +544,8 @@ unsafe fn scores<
                 } else {
                     0
                 };
-                // The prefetched rows keep their own page run (at page 16 a lookup for every
-                // group cost 2–3 %). Rows past a page's end are requested at the wrong address,
+                // The prefetched rows keep their own page run, so a page costs one table
+                // lookup here too. Rows past a page's end are requested at the wrong address,
                 // harmlessly.
                 let (kpf, vpf) = if npf > 0 {
                     if !pf_run.holds(jp) {
