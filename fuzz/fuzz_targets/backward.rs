@@ -100,7 +100,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
     assert!(bits(&seq) == bits(&par), "Par::Seq and Par::Rayon differ");
     // 16-bit inputs get the gradients of their own values: bitwise those of the same (rounded)
     // values in f32. Drawn last, so the committed corpus keeps its meaning.
-    let vals = (&q[..], &k[..], &v[..], &fwd.out[..], &dout[..]);
+    let vals = [&q[..], &k[..], &v[..], &fwd.out[..], &dout[..]];
     match u.int_in_range(0..=3u8)? {
         1 => lowp(
             &dims,
@@ -225,7 +225,7 @@ fn identity(
 /// The backward of `E` inputs against the f32 backward of the same values.
 fn lowp<E: attnkit::Elem>(
     dims: &Dims,
-    (q, k, v, out, dout): (&[f32], &[f32], &[f32], &[f32], &[f32]),
+    [q, k, v, out, dout]: [&[f32]; 5],
     lse: &[f32],
     o: &attnkit::SdpaOptions,
     to: fn(f32) -> E,

@@ -212,7 +212,7 @@ impl<E: Operand> Fx<E> {
                 let len = self.live[&s].k.len();
                 let pages = self.c.pages_of(s).unwrap();
                 let shared_tail =
-                    len % self.page != 0 && pages.last().is_some_and(|p| users[p] > 1);
+                    !len.is_multiple_of(self.page) && pages.last().is_some_and(|p| users[p] > 1);
                 (len + t).div_ceil(self.page) - pages.len() + usize::from(shared_tail)
             })
             .sum()
