@@ -15,7 +15,7 @@ use attnkit::{
     bf16, choose_kernel, f16, sdpa, sdpa_ext, sdpa_vec, AttnError, Causal, Elem, Extras, Kernel,
     MaskRef, Operand, SdpaOptions, Tensor, TensorMut,
 };
-use common::{isas, lh, randn};
+use common::{decode_reorders, isas, lh, randn, same_values};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -149,14 +149,9 @@ fn check<E: Operand + Elem>(rng: &mut SmallRng, shape: [usize; 7]) {
                         let (tk, tv) = (Tensor::bhld(&k, ks), Tensor::bhld(&v, vs));
                         sdpa_ext(&tq, &tk, &tv, o, &opts, extras).unwrap();
                     }
+                    let reordered = decode_reorders(E::DTYPE, isa, kernel);
                     let same = |a: &[f32], b: &[f32], what: &str| {
-                        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-                            assert_eq!(
-                                x.to_bits(),
-                                y.to_bits(),
-                                "{at}: {what}[{i}] {x} vs f32 {y}"
-                            );
-                        }
+                        same_values(a, b, reordered, &format!("{at}: {what} vs f32"));
                     };
                     if pairs {
                         // Σⱼ pⱼ·|vⱼ| per output, from the f32 call on |V|: each weight is
@@ -227,7 +222,13 @@ fn check<E: Operand + Elem>(rng: &mut SmallRng, shape: [usize; 7]) {
         &opts,
     )
     .unwrap();
-    assert_eq!(dense, dense_f32, "{:?} sdpa_vec", E::DTYPE);
+    let reordered = decode_reorders(E::DTYPE, widening, Kernel::Auto);
+    same_values(
+        &dense,
+        &dense_f32,
+        reordered,
+        &format!("{:?} sdpa_vec", E::DTYPE),
+    );
 }
 
 #[test]

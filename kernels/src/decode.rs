@@ -194,6 +194,29 @@ impl<KV> PageRun<KV> {
     }
 }
 
+/// Where element `p` of a row lives in the kernel's buffers when the first `n2` elements (a
+/// multiple of `2w`) are read as bf16 pairs ([`crate::simd::Simd::load_bf16_pairs`]): each group
+/// of `2w` holds its even elements, then its odd ones. Q is stored so, and O accumulates so; the
+/// order of a dot product's or an accumulator's terms is all it changes.
+#[inline(always)]
+fn paired(p: usize, n2: usize, w: usize) -> usize {
+    if p < n2 {
+        let g = p / (2 * w) * (2 * w);
+        let i = p - g;
+        g + i / 2 + (i % 2) * w
+    } else {
+        p
+    }
+}
+
+/// Where the scaled query value `(r, p)` of `R` rows lives in the kernel's Q buffer: lane chunks
+/// of the rows interleaved (chunk `c` of row `r` at `c·R + r·w`), so one pointer with constant
+/// offsets addresses every row's chunk (per-row pointers spilled to the stack at R = 4, W = 8).
+#[inline(always)]
+fn q_at<const R: usize>(r: usize, p: usize, w: usize) -> usize {
+    p / w * (R * w) + r * w + p % w
+}
+
 /// Floats of one row's partial result: `[m, l, o_0 … o_{dv−1}]`.
 pub const fn partial_len(dv: usize) -> usize {
     dv + 2
@@ -205,51 +228,113 @@ pub fn decode_scratch_len(d: usize, dv: usize) -> usize {
     r * d.div_ceil(16) * 16 + r * dv.div_ceil(16) * 16 + 2 * r * DECODE_KEY_BLOCK + ALIGN_SLACK
 }
 
-/// A cursor over the cache lines of `rows` rows of `n` values (stride `ld`), requested a few at a
-/// time in address order, so the prefetches of a key group are spread over its compute loop
-/// (measured: sent in one burst per group, or as straight-line code, they were slower from DRAM;
-/// perhaps the miss queues overflow and drop them).
-struct Lines {
-    /// First byte, row stride in bytes.
-    p: *const u8,
-    ld: usize,
-    per_row: usize,
-    rows: usize,
-    row: usize,
-    line: usize,
+/// The K and V rows a key group prefetches (software, to L2), requested as the group's dot
+/// products advance through K's columns, so the requests spread over the compute loop (sent in
+/// one burst per group they were slower from DRAM): rows back to back (the usual cache layout)
+/// as one run in address order, other rows a line of each at a time. Nothing is tracked per
+/// line: a cursor over the lines cost the hot decode loop 23 % of its time on Zen 2, this 15 %
+/// (docs/tuning-log.md, "Decode walks").
+struct Ahead {
+    /// First row of K and of V, and their row strides, in bytes.
+    k: *const u8,
+    v: *const u8,
+    ldk: usize,
+    ldv: usize,
+    /// Rows to request (0: none).
+    n: usize,
+    /// Bytes of a K row and of a V row.
+    kbytes: usize,
+    vbytes: usize,
+    /// Whether every row starts on a line (then offsets that are multiples of 64 reach them all).
+    aligned: bool,
 }
 
-impl Lines {
+impl Ahead {
     #[inline(always)]
-    fn new<E: Stored>(p: *const E, ld: usize, n: usize, rows: usize) -> Self {
+    fn new<E: Stored>(
+        k: *const E,
+        ldk: usize,
+        d: usize,
+        v: *const E,
+        ldv: usize,
+        dv: usize,
+        n: usize,
+    ) -> Self {
         let size = core::mem::size_of::<E>();
-        Lines {
-            p: p.cast(),
-            ld: ld * size,
-            per_row: (n * size).div_ceil(64),
-            // Empty rows (D or Dv = 0) have no lines: `next` would never reach a row's end.
-            rows: if n == 0 { 0 } else { rows },
-            row: 0,
-            line: 0,
+        Ahead {
+            k: k.cast(),
+            v: v.cast(),
+            ldk: ldk * size,
+            ldv: ldv * size,
+            n,
+            kbytes: d * size,
+            vbytes: dv * size,
+            aligned: (k as usize | v as usize | (ldk * size) | (ldv * size)).is_multiple_of(64),
         }
     }
+    /// Requests the lines of K and V for a step over bytes `[bo, bo + sb)` of a row (`sb ≤ 64`).
+    /// Rows back to back (the usual cache layout) are one run of `n·row` bytes, requested in
+    /// address order at the same pace, `n·sb` bytes a step (one line a step for two f32 rows at
+    /// W = 8); other rows get the line at `bo` of each row when a line starts there.
     #[inline(always)]
-    fn total(&self) -> usize {
-        self.rows * self.per_row
-    }
-    /// Requests the next `count` lines (fewer at the end).
-    #[inline(always)]
-    fn next(&mut self, count: usize) {
-        let mut left = count;
-        while left > 0 && self.row < self.rows {
-            // A prefetch never faults, so the address may be anywhere.
-            crate::simd::prefetch_l2(self.p.wrapping_add(self.row * self.ld + self.line * 64));
-            self.line += 1;
-            if self.line == self.per_row {
-                self.line = 0;
-                self.row += 1;
+    fn at<const KEYS: usize>(&self, bo: usize, sb: usize) {
+        // A prefetch never faults, so the addresses may be anywhere.
+        let run = |p: *const u8, row: usize| {
+            let (lo, hi) = (bo * self.n, (bo + sb).min(row) * self.n);
+            let mut l = (lo + 63) & !63;
+            while l < hi {
+                crate::simd::prefetch_l2(p.wrapping_add(l));
+                l += 64;
             }
-            left -= 1;
+        };
+        let rows = |p: *const u8, ld: usize| {
+            for i in 0..KEYS {
+                if i < self.n {
+                    crate::simd::prefetch_l2(p.wrapping_add(i * ld + bo));
+                }
+            }
+        };
+        let line = sb >= 64 || bo.is_multiple_of(64);
+        if self.ldk == self.kbytes {
+            run(self.k, self.kbytes);
+        } else if line {
+            rows(self.k, self.ldk);
+        }
+        if bo < self.vbytes {
+            if self.ldv == self.vbytes && self.vbytes == self.kbytes {
+                run(self.v, self.vbytes);
+            } else if line {
+                rows(self.v, self.ldv);
+            }
+        }
+    }
+    /// After the loop reached byte `done` of the K rows: the lines it did not request (K's
+    /// tail, V past K's length, each row's last line when rows are not line-aligned).
+    #[inline(always)]
+    fn rest(&self, done: usize) {
+        for i in 0..self.n {
+            let (k, v) = (
+                self.k.wrapping_add(i * self.ldk),
+                self.v.wrapping_add(i * self.ldv),
+            );
+            let mut b = done.div_ceil(64) * 64;
+            while b < self.kbytes.max(self.vbytes) {
+                if b < self.kbytes {
+                    crate::simd::prefetch_l2(k.wrapping_add(b));
+                }
+                if b < self.vbytes {
+                    crate::simd::prefetch_l2(v.wrapping_add(b));
+                }
+                b += 64;
+            }
+            if !self.aligned {
+                if self.kbytes > 0 {
+                    crate::simd::prefetch_l2(k.wrapping_add(self.kbytes - 1));
+                }
+                if self.vbytes > 0 {
+                    crate::simd::prefetch_l2(v.wrapping_add(self.vbytes - 1));
+                }
+            }
         }
     }
 }
@@ -308,6 +393,15 @@ unsafe fn decode_rows<
     };
     let qscale = a.scale * LOG2E;
     assert!(R * KEYS <= w, "decode: R·KEYS exceeds the lanes");
+    // bf16 K and V are read as pairs where the ISA splits them cheaply: the first `d2` columns
+    // of Q (scores) and `dv2` of O (P·V, when its passes take whole pairs) in pair order.
+    let pairs = KV::DTYPE == Dtype::Bf16 && S::BF16_PAIRS;
+    let d2 = if pairs { d / (2 * w) * (2 * w) } else { 0 };
+    let dv2 = if pairs && NC.is_multiple_of(2) {
+        dv / (2 * w) * (2 * w)
+    } else {
+        0
+    };
 
     // SAFETY: (whole body) all accesses are inside the extents of the contract above; scratch
     // slices were split to their sizes; `dp`, `dvp`, `KB` are lane multiples.
@@ -316,7 +410,7 @@ unsafe fn decode_rows<
         obuf.fill(0.0);
         for (r, row) in rows.iter().enumerate() {
             for p in 0..d {
-                qbuf[r * dp + p] = get(row.q.add(p)) * qscale;
+                qbuf[q_at::<R>(r, paired(p, d2, w), w)] = get(row.q.add(p)) * qscale;
             }
         }
         let ranges: [(usize, usize); R] = core::array::from_fn(|r| rows[r].spec.visible_range(0));
@@ -338,7 +432,7 @@ unsafe fn decode_rows<
                     scores::<S, Q, KV, R, KEYS, KM, PF>(
                         a,
                         qbuf.as_ptr(),
-                        dp,
+                        d2,
                         jb,
                         k0,
                         k1,
@@ -347,7 +441,7 @@ unsafe fn decode_rows<
                 }
                 if let Some((pj, pn)) = prev.filter(|&(_, n)| k0 < n) {
                     let k1 = pn.min(k0 + sub);
-                    pv_block::<S, Q, KV, R, RG, NC>(a, pj, k0, k1, sprev, obuf, dvp);
+                    pv_block::<S, Q, KV, R, RG, NC>(a, pj, k0, k1, sprev, obuf, dvp, dv2);
                 }
                 k0 += sub;
             }
@@ -372,7 +466,7 @@ unsafe fn decode_rows<
                     cur ^= 1;
                 } else {
                     // Chunk-major groups read V right away, as their prefetches expect.
-                    pv_block::<S, Q, KV, R, RG, NC>(a, jb, 0, nk, scur, obuf, dvp);
+                    pv_block::<S, Q, KV, R, RG, NC>(a, jb, 0, nk, scur, obuf, dvp, dv2);
                 }
             } else {
                 prev = None;
@@ -383,16 +477,19 @@ unsafe fn decode_rows<
             let out = partial.add(r * ldp);
             *out = st.m[r];
             *out.add(1) = st.l[r];
-            core::ptr::copy_nonoverlapping(obuf.as_ptr().add(r * dvp), out.add(2), dv);
+            for p in 0..dv {
+                *out.add(2 + p) = obuf[r * dvp + paired(p, dv2, w)];
+            }
         }
     }
 }
 
-/// `O += P·V` for keys `jb + [k0, k1)` of one block, in passes of RG rows.
+/// `O += P·V` for keys `jb + [k0, k1)` of one block, in passes of RG rows; the first `dv2`
+/// columns of O in pair order.
 ///
 /// # Safety
 /// As [`decode_rows`]; `p` holds the block's weights (R rows of [`DECODE_KEY_BLOCK`]), `o` R
-/// rows of `dvp` floats.
+/// rows of `dvp` floats; `dv2 > 0` only for bf16 V and even NC.
 #[inline(always)]
 unsafe fn pv_block<
     S: Simd,
@@ -409,6 +506,7 @@ unsafe fn pv_block<
     p: &[f32],
     o: &mut [f32],
     dvp: usize,
+    dv2: usize,
 ) {
     // One segment per page the keys span (one in a contiguous cache), all in one pass: the
     // accumulators stay in registers across a page end (a pass per page reloaded them: page-2
@@ -419,7 +517,7 @@ unsafe fn pv_block<
     let first = (unsafe { a.v_row(jb + k0) }, seg_end(k0) - k0);
     if k0 + first.1 == k1 {
         // SAFETY: forwarded contract; one segment.
-        unsafe { pv_pass::<S, KV, R, RG, NC>(&[first], a, p, k0, o, dvp) };
+        unsafe { pv_pass::<S, KV, R, RG, NC>(&[first], a, p, k0, o, dvp, dv2) };
     } else {
         let mut segs = [first; DECODE_KEY_BLOCK];
         let mut n = 1;
@@ -432,7 +530,7 @@ unsafe fn pv_block<
             k = ks;
         }
         // SAFETY: forwarded contract; the segments cover keys `[k0, k1)` in order.
-        unsafe { pv_pass::<S, KV, R, RG, NC>(&segs[..n], a, p, k0, o, dvp) };
+        unsafe { pv_pass::<S, KV, R, RG, NC>(&segs[..n], a, p, k0, o, dvp, dv2) };
     }
 }
 
@@ -449,6 +547,7 @@ unsafe fn pv_pass<S: Simd, KV: Stored, const R: usize, const RG: usize, const NC
     k0: usize,
     o: &mut [f32],
     dvp: usize,
+    dv2: usize,
 ) {
     const KB: usize = DECODE_KEY_BLOCK;
     let blk = PvBlock {
@@ -456,6 +555,7 @@ unsafe fn pv_pass<S: Simd, KV: Stored, const R: usize, const RG: usize, const NC
         ldv: a.ldv,
         dv: a.dv,
         dvp,
+        dv2,
     };
     let mut r0 = 0;
     // SAFETY: row groups stay inside the R rows of `p` and `o`.
@@ -486,7 +586,8 @@ struct RowState<const R: usize> {
 /// turns the R·KEYS sums into one register of scores.
 ///
 /// # Safety
-/// As [`decode_rows`]; `q` holds R rows of `dp` scaled query values; `s` writable for R rows of
+/// As [`decode_rows`]; `q` holds R rows of scaled query values, laid out by [`q_at`] (the
+/// first `d2` of a row in pair order, `d2 > 0` only for bf16 K); `s` writable for R rows of
 /// [`DECODE_KEY_BLOCK`]; `k1 ≤ DECODE_KEY_BLOCK`.
 #[inline(always)]
 unsafe fn scores<
@@ -500,7 +601,7 @@ unsafe fn scores<
 >(
     a: &DecodeArgs<Q, KV>,
     q: *const f32,
-    dp: usize,
+    d2: usize,
     jb: usize,
     k0: usize,
     k1: usize,
@@ -533,11 +634,11 @@ unsafe fn scores<
                 };
             }
             let acc = if KM {
-                dots_key_major::<S, KV, R, KEYS>(kp, q, dp, dfull)
+                dots_key_major::<S, KV, R, KEYS>(kp, q, d2, dfull)
             } else {
                 // Walking KEYS rows side by side hides K from the hardware prefetchers, so the
-                // K and V rows PF keys ahead are requested explicitly, in address order (PF = 0:
-                // none, for one-key groups on cores whose prefetchers follow them alone).
+                // K and V rows PF keys ahead are requested explicitly (PF = 0: none, for one-key
+                // groups on cores whose prefetchers follow them alone).
                 let jp = jb + jj + PF * 4 / core::mem::size_of::<KV>();
                 let npf = if PF > 0 && jp < a.j_end {
                     KEYS.min(a.j_end - jp)
@@ -556,9 +657,8 @@ unsafe fn scores<
                 } else {
                     (a.k, a.v)
                 };
-                let kpf = Lines::new(kpf, a.ldk, d, npf);
-                let vpf = Lines::new(vpf, a.ldv, a.dv, npf);
-                dots_chunk_major::<S, KV, R, KEYS>(kp, q, dp, dfull, kpf, vpf)
+                let ahead = Ahead::new(kpf, a.ldk, d, vpf, a.ldv, a.dv, npf);
+                dots_chunk_major::<S, KV, R, KEYS>(kp, q, d2, dfull, &ahead)
             };
             let mut regs = [S::splat(0.0); 16];
             for r in 0..R {
@@ -571,7 +671,7 @@ unsafe fn scores<
                 for (k, &kp) in kp.iter().enumerate().take(live) {
                     let mut x = sums[r * KEYS + k];
                     for p in dfull..d {
-                        x += *q.add(r * dp + p) * get(kp.add(p));
+                        x += *q.add(q_at::<R>(r, p, w)) * get(kp.add(p));
                     }
                     if KV::DTYPE == Dtype::I8 {
                         let j = j0 + k;
@@ -591,15 +691,16 @@ unsafe fn scores<
 
 /// `R × KEYS` dot products over the first `dfull` (a lane multiple) columns, each key's row
 /// read start to end, so K stays one sequential stream for the hardware prefetchers; Q comes
-/// from L1.
+/// from L1. The first `d2` columns are read as bf16 pairs (Q in pair order there).
 ///
 /// # Safety
-/// `kp[k]` readable for `dfull` floats; `q` for R rows of stride `dp`; the ISA of `S` is enabled.
+/// `kp[k]` readable for `dfull` values; `q` for R rows laid out by [`q_at`]; `d2 > 0` only for
+/// bf16 K, a multiple of `2W`; the ISA of `S` is enabled.
 #[inline(always)]
 unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>(
     kp: [*const KV; KEYS],
     q: *const f32,
-    dp: usize,
+    d2: usize,
     dfull: usize,
 ) -> [[S::V; KEYS]; R] {
     let w = S::W;
@@ -608,10 +709,18 @@ unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>
         let mut acc = [[S::splat(0.0); KEYS]; R];
         for (k, &p) in kp.iter().enumerate() {
             let mut c = 0;
+            while c < d2 {
+                let [ke, ko] = S::load_bf16_pairs(p.add(c).cast());
+                for (r, accr) in acc.iter_mut().enumerate() {
+                    accr[k] = S::fma(S::load(q.add(c * R + r * w)), ke, accr[k]);
+                    accr[k] = S::fma(S::load(q.add((c + w) * R + r * w)), ko, accr[k]);
+                }
+                c += 2 * w;
+            }
             while c < dfull {
                 let kv = S::load_as(p.add(c));
                 for (r, accr) in acc.iter_mut().enumerate() {
-                    accr[k] = S::fma(S::load(q.add(r * dp + c)), kv, accr[k]);
+                    accr[k] = S::fma(S::load(q.add(c * R + r * w)), kv, accr[k]);
                 }
                 c += w;
             }
@@ -621,7 +730,7 @@ unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>
 }
 
 /// `R × KEYS` dot products, chunk by chunk across the KEYS rows, so each Q chunk load serves
-/// KEYS keys (fewer loads when R is large); the lines `kpf`, `vpf` are requested along the way.
+/// KEYS keys (fewer loads when R is large); the rows of `ahead` are requested along the way.
 ///
 /// # Safety
 /// As [`dots_key_major`].
@@ -629,35 +738,69 @@ unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>
 unsafe fn dots_chunk_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>(
     kp: [*const KV; KEYS],
     q: *const f32,
-    dp: usize,
+    d2: usize,
     dfull: usize,
-    mut kpf: Lines,
-    mut vpf: Lines,
+    ahead: &Ahead,
 ) -> [[S::V; KEYS]; R] {
     let w = S::W;
-    let per_k = kpf.total().div_ceil((dfull / w).max(1));
-    let per_v = vpf.total().div_ceil((dfull / w).max(1));
+    let size = core::mem::size_of::<KV>();
+    // Pair steps hold either the rows' two Q chunks or the keys' two K chunks in registers,
+    // whichever fits beside the R·KEYS accumulators.
+    let q_held = 2 * R + R * KEYS + 2 <= if w == 16 { 32 } else { 16 };
     // SAFETY: every access stays within the extents of the contract.
     unsafe {
         let mut acc = [[S::splat(0.0); KEYS]; R];
         let mut c = 0;
+        while c < d2 {
+            ahead.at::<KEYS>(c * size, 2 * w * size);
+            if q_held {
+                // Plain loops, not `array::from_fn`: a closure may stay out of line, and then
+                // the intrinsics in it run without the ISA's target features.
+                let mut qv = [[S::splat(0.0); 2]; R];
+                for (r, x) in qv.iter_mut().enumerate() {
+                    *x = [
+                        S::load(q.add(c * R + r * w)),
+                        S::load(q.add((c + w) * R + r * w)),
+                    ];
+                }
+                for (k, p) in kp.iter().enumerate() {
+                    let [ke, ko] = S::load_bf16_pairs(p.add(c).cast());
+                    for (accr, qr) in acc.iter_mut().zip(&qv) {
+                        accr[k] = S::fma(qr[0], ke, accr[k]);
+                        accr[k] = S::fma(qr[1], ko, accr[k]);
+                    }
+                }
+            } else {
+                let mut kv = [[S::splat(0.0); 2]; KEYS];
+                for (x, p) in kv.iter_mut().zip(kp) {
+                    *x = S::load_bf16_pairs(p.add(c).cast());
+                }
+                for (r, accr) in acc.iter_mut().enumerate() {
+                    for h in 0..2 {
+                        let qv = S::load(q.add((c + h * w) * R + r * w));
+                        for k in 0..KEYS {
+                            accr[k] = S::fma(qv, kv[k][h], accr[k]);
+                        }
+                    }
+                }
+            }
+            c += 2 * w;
+        }
         while c < dfull {
-            kpf.next(per_k);
-            vpf.next(per_v);
+            ahead.at::<KEYS>(c * size, w * size);
             let mut kv = [S::splat(0.0); KEYS];
             for (x, p) in kv.iter_mut().zip(kp) {
                 *x = S::load_as(p.add(c));
             }
             for (r, accr) in acc.iter_mut().enumerate() {
-                let qv = S::load(q.add(r * dp + c));
+                let qv = S::load(q.add(c * R + r * w));
                 for k in 0..KEYS {
                     accr[k] = S::fma(qv, kv[k], accr[k]);
                 }
             }
             c += w;
         }
-        kpf.next(usize::MAX);
-        vpf.next(usize::MAX);
+        ahead.rest(dfull * size);
         acc
     }
 }
@@ -731,6 +874,8 @@ struct PvBlock<'a, KV> {
     ldv: usize,
     dv: usize,
     dvp: usize,
+    /// Columns `[0, dv2)` are read as bf16 pairs (O in pair order there); 0 for none.
+    dv2: usize,
 }
 
 /// `O[g] += Σ_jj P[g][jj]·V[jj]` for `G` rows: `P` rows at `p + g*KB`, `O` rows at `o + g*dvp`,
@@ -749,50 +894,18 @@ unsafe fn pv_rows<S: Simd, KV: Stored, const G: usize, const NC: usize>(
     const KB: usize = DECODE_KEY_BLOCK;
     let w = S::W;
     let dvfull = blk.dv / w * w;
-    // SAFETY: every access stays within the extents of the contract.
+    // SAFETY: every access stays within the extents of the contract; `dv2` is a multiple of
+    // `2w` and NC is even when it is not 0, so pair passes take whole pairs.
     unsafe {
         let mut c = 0;
+        while c < blk.dv2 {
+            let nc = NC.min((blk.dv2 - c) / w);
+            pv_chunks::<S, KV, G, NC, true>(blk, p, o, c, nc);
+            c += nc * w;
+        }
         while c < dvfull {
             let nc = NC.min((dvfull - c) / w);
-            let mut acc = [[S::splat(0.0); NC]; G];
-            for g in 0..G {
-                for (cb, x) in acc[g].iter_mut().enumerate().take(nc) {
-                    *x = S::load(o.add(g * blk.dvp + c + cb * w));
-                }
-            }
-            // Full passes run a branch-free body; only the last pass of a row is shorter.
-            let full_pass = nc == NC;
-            let mut pj = p;
-            for &(v, n) in blk.segs {
-                for jj in 0..n {
-                    let vrow = v.add(jj * blk.ldv + c);
-                    let mut pr = [S::splat(0.0); G];
-                    for g in 0..G {
-                        pr[g] = S::splat(*pj.add(g * KB + jj));
-                    }
-                    if full_pass {
-                        for cb in 0..NC {
-                            let vv = S::load_as(vrow.add(cb * w));
-                            for g in 0..G {
-                                acc[g][cb] = S::fma(pr[g], vv, acc[g][cb]);
-                            }
-                        }
-                    } else {
-                        for cb in 0..nc {
-                            let vv = S::load_as(vrow.add(cb * w));
-                            for g in 0..G {
-                                acc[g][cb] = S::fma(pr[g], vv, acc[g][cb]);
-                            }
-                        }
-                    }
-                }
-                pj = pj.add(n);
-            }
-            for g in 0..G {
-                for (cb, x) in acc[g].iter().enumerate().take(nc) {
-                    S::store(o.add(g * blk.dvp + c + cb * w), *x);
-                }
-            }
+            pv_chunks::<S, KV, G, NC, false>(blk, p, o, c, nc);
             c += nc * w;
         }
         if dvfull < blk.dv {
@@ -808,6 +921,90 @@ unsafe fn pv_rows<S: Simd, KV: Stored, const G: usize, const NC: usize>(
                     }
                 }
                 pj = pj.add(n);
+            }
+        }
+    }
+}
+
+/// One pass of [`pv_rows`]: lane chunks `[c, c + nc·w)` of O, `nc ≤ NC`; with `PAIR`, V read as
+/// bf16 pairs (chunks `2i`, `2i + 1` the even and odd values of `2w` columns; `nc` even).
+///
+/// # Safety
+/// As [`pv_rows`]; the chunks lie inside `dvfull` (with `PAIR`, inside `blk.dv2`).
+#[inline(always)]
+unsafe fn pv_chunks<S: Simd, KV: Stored, const G: usize, const NC: usize, const PAIR: bool>(
+    blk: &PvBlock<'_, KV>,
+    p: *const f32,
+    o: *mut f32,
+    c: usize,
+    nc: usize,
+) {
+    const KB: usize = DECODE_KEY_BLOCK;
+    let w = S::W;
+    let step = if PAIR { 2 } else { 1 };
+    // SAFETY: every access stays within the extents of the contract.
+    unsafe {
+        let mut acc = [[S::splat(0.0); NC]; G];
+        for g in 0..G {
+            for (cb, x) in acc[g].iter_mut().enumerate().take(nc) {
+                *x = S::load(o.add(g * blk.dvp + c + cb * w));
+            }
+        }
+        // Full passes run a branch-free body; only the last pass of a row is shorter.
+        let full_pass = nc == NC;
+        let mut pj = p;
+        for &(v, n) in blk.segs {
+            for jj in 0..n {
+                let vrow = v.add(jj * blk.ldv + c);
+                let mut pr = [S::splat(0.0); G];
+                for g in 0..G {
+                    pr[g] = S::splat(*pj.add(g * KB + jj));
+                }
+                if full_pass {
+                    for cb in (0..NC).step_by(step) {
+                        pv_chunk::<S, KV, G, NC, PAIR>(&mut acc, &pr, vrow, cb);
+                    }
+                } else {
+                    for cb in (0..nc).step_by(step) {
+                        pv_chunk::<S, KV, G, NC, PAIR>(&mut acc, &pr, vrow, cb);
+                    }
+                }
+            }
+            pj = pj.add(n);
+        }
+        for g in 0..G {
+            for (cb, x) in acc[g].iter().enumerate().take(nc) {
+                S::store(o.add(g * blk.dvp + c + cb * w), *x);
+            }
+        }
+    }
+}
+
+/// `acc[g][cb] += pr[g]·V[cb]` for lane chunk `cb` of the V row at `vrow` (with `PAIR`, chunks
+/// `cb` and `cb + 1` from one bf16 pair load).
+///
+/// # Safety
+/// As [`pv_chunks`]; the chunks are readable at `vrow`.
+#[inline(always)]
+unsafe fn pv_chunk<S: Simd, KV: Stored, const G: usize, const NC: usize, const PAIR: bool>(
+    acc: &mut [[S::V; NC]; G],
+    pr: &[S::V; G],
+    vrow: *const KV,
+    cb: usize,
+) {
+    let w = S::W;
+    // SAFETY: forwarded contract.
+    unsafe {
+        if PAIR {
+            let vv = S::load_bf16_pairs(vrow.add(cb * w).cast());
+            for g in 0..G {
+                acc[g][cb] = S::fma(pr[g], vv[0], acc[g][cb]);
+                acc[g][cb + 1] = S::fma(pr[g], vv[1], acc[g][cb + 1]);
+            }
+        } else {
+            let vv = S::load_as(vrow.add(cb * w));
+            for g in 0..G {
+                acc[g][cb] = S::fma(pr[g], vv, acc[g][cb]);
             }
         }
     }

@@ -42,6 +42,25 @@ pub(crate) trait Simd: Copy {
         // SAFETY: forwarded contract.
         unsafe { load_widened::<Self, f16>(p) }
     }
+    /// Whether [`Simd::load_bf16_pairs`] is a cheap in-lane split (no shuffle), so kernels that
+    /// may reorder a row's elements read bf16 rows through it.
+    const BF16_PAIRS: bool = false;
+    /// `2W` bf16 values at `p` widened into two registers: the even-indexed values, then the
+    /// odd-indexed ones (`[x0, x2, …]`, `[x1, x3, …]`). A 32-bit lane holds a pair, so x86 splits
+    /// it with one shift and one mask where [`Simd::load_bf16`] needs a cross-lane widening per
+    /// `W` values. The default goes through memory.
+    #[inline(always)]
+    unsafe fn load_bf16_pairs(p: *const bf16) -> [Self::V; 2] {
+        let mut t = [0.0f32; 32];
+        // SAFETY: forwarded contract (`2W ≤ 32` values readable at `p`).
+        unsafe {
+            for i in 0..Self::W {
+                t[i] = get(p.add(2 * i));
+                t[16 + i] = get(p.add(2 * i + 1));
+            }
+            [Self::load(t.as_ptr()), Self::load(t.as_ptr().add(16))]
+        }
+    }
     /// `W` i8 values widened (exactly; the row's scale is applied by the caller); the default
     /// goes through memory.
     #[inline(always)]

@@ -2,7 +2,7 @@
 //! NaN-filled padding, and a naive f64 attention reference written independently of the crate.
 #![allow(dead_code)]
 
-use attnkit::{Causal, Isa, Layout};
+use attnkit::{Causal, Dtype, Isa, Kernel, Layout};
 use rand::rngs::SmallRng;
 use rand::Rng;
 
@@ -385,4 +385,28 @@ pub fn from_blhd(x: &[f32], shape: [usize; 4]) -> Vec<f32> {
         strides,
     }
     .gather()
+}
+
+/// Whether the decode kernel may sum in another order than on f32 operands holding the same
+/// values: it reads bf16 K and V as pairs on every SIMD ISA (even and odd elements in separate
+/// registers). `Auto` may pick it; `Prefill` never does.
+pub fn decode_reorders(kv: Dtype, isa: Isa, kernel: Kernel) -> bool {
+    kv == Dtype::Bf16 && isa != Isa::Scalar && kernel != Kernel::Prefill
+}
+
+/// `got` against `want` computed on f32 operands holding the same values: bitwise, or, where
+/// the kernel sums in another order (`reordered`), within 1e-5·(1 + |want|) (the f64-reference
+/// tests bound both).
+pub fn same_values(got: &[f32], want: &[f32], reordered: bool, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if reordered {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()) || g.to_bits() == w.to_bits(),
+                "{what}: [{i}] {g} vs {w}"
+            );
+        } else {
+            assert_eq!(g.to_bits(), w.to_bits(), "{what}: [{i}] {g} vs {w}");
+        }
+    }
 }

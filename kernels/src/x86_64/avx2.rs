@@ -34,6 +34,20 @@ impl Simd for Avx2 {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         }
     }
+    const BF16_PAIRS: bool = true;
+    #[inline(always)]
+    unsafe fn load_bf16_pairs(p: *const half::bf16) -> [__m256; 2] {
+        // SAFETY: see the impl comment (16 values of 2 bytes at `p`). Lane i holds values 2i (low
+        // half) and 2i + 1 (high half): shifted up, the low one is an f32; masked, the high one.
+        unsafe {
+            let x = _mm256_loadu_si256(p.cast());
+            let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
+            [
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x)),
+                _mm256_castsi256_ps(_mm256_and_si256(x, hi)),
+            ]
+        }
+    }
     #[inline(always)]
     unsafe fn load_f16(p: *const half::f16) -> __m256 {
         // SAFETY: see the impl comment (8 values of 2 bytes at `p`; F16C is part of this level).

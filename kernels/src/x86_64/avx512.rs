@@ -33,6 +33,19 @@ impl Simd for Avx512 {
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
         }
     }
+    const BF16_PAIRS: bool = true;
+    #[inline(always)]
+    unsafe fn load_bf16_pairs(p: *const half::bf16) -> [__m512; 2] {
+        // SAFETY: see the impl comment (32 values of 2 bytes at `p`); as the AVX2 version.
+        unsafe {
+            let x = _mm512_loadu_si512(p.cast());
+            let hi = _mm512_set1_epi32(0xffff_0000u32 as i32);
+            [
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x)),
+                _mm512_castsi512_ps(_mm512_and_si512(x, hi)),
+            ]
+        }
+    }
     #[inline(always)]
     unsafe fn load_f16(p: *const half::f16) -> __m512 {
         // SAFETY: see the impl comment (16 values of 2 bytes at `p`); `vcvtph2ps` on zmm is
