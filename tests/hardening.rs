@@ -823,6 +823,62 @@ fn kv_cache_decode_matches_reference() {
     }
 }
 
+/// Miri: the decode kernel's bf16 pair loads (32 bytes of K or V at a time on AVX2), with a
+/// head dimension that leaves a single chunk and a scalar tail after the pairs (D = 40, Dv = 37)
+/// and keys over two blocks, against the reference on the stored (rounded) values.
+#[test]
+fn bf16_cache_decode_reads_pairs_in_bounds() {
+    use attnkit::bf16;
+    let (b, hq, hkv, lk, d, dv) = (1, 4, 1, 35, 40, 37);
+    let mut cache = KvCache::<bf16>::new_of(b, hkv, lk, d, dv).unwrap();
+    let round =
+        |x: Vec<f32>| -> Vec<f32> { x.into_iter().map(|x| bf16::from_f32(x).to_f32()).collect() };
+    let (k, v) = (round(vals(lk * d, 30)), round(vals(lk * dv, 31)));
+    cache
+        .append(
+            &Tensor::bhld(&k, [b, hkv, lk, d]),
+            &Tensor::bhld(&v, [b, hkv, lk, dv]),
+        )
+        .unwrap();
+    let q = vals(hq * d, 32);
+    for isa in isas() {
+        let mut out = vec![0.0f32; hq * dv];
+        cache
+            .attend(
+                &Tensor::bhld(&q, [b, hq, 1, d]),
+                &mut TensorMut::bhld(&mut out, [b, hq, 1, dv]),
+                &opts_for(isa).kernel(Kernel::Decode),
+            )
+            .unwrap();
+        let dims = Dims {
+            b,
+            hq,
+            hkv,
+            lq: 1,
+            lk,
+            d,
+            dv,
+        };
+        let want = reference(&Problem {
+            dims,
+            q: &q,
+            k: &k,
+            v: &v,
+            scale: 1.0 / (d as f64).sqrt(),
+            causal: None,
+            window: None,
+            mask: RefMask::None,
+            key_lengths: None,
+            alibi: None,
+            softcap: None,
+            sinks: None,
+        });
+        for (i, (&g, &w)) in out.iter().zip(&want.out).enumerate() {
+            assert!(close(g, w, ATOL, RTOL), "{isa} out[{i}] {g} vs {w}");
+        }
+    }
+}
+
 /// Both kernels' page walks (decode: rows addressed per page run, `P·V` split at page ends;
 /// prefill: key blocks gathered across pages), on small shapes for Miri: a paged cache equals
 /// the contiguous one bit for bit, in f32 and in int8 (whose scales are paged too).
