@@ -774,6 +774,40 @@ fn layers_small_forward() {
     }
 }
 
+/// The f64 reference output of one decode step, `(B, Hq, Hkv, Lk, D, Dv)`, for `[q, k, v]`
+/// (BHLD, one query row) with bottom-right causal alignment (which, with one query, only clips
+/// to each sequence's `key_lengths`).
+fn decode_reference(
+    (b, hq, hkv, lk, d, dv): (usize, usize, usize, usize, usize, usize),
+    [q, k, v]: [&[f32]; 3],
+    key_lengths: Option<&[usize]>,
+) -> Vec<f64> {
+    let dims = Dims {
+        b,
+        hq,
+        hkv,
+        lq: 1,
+        lk,
+        d,
+        dv,
+    };
+    reference(&Problem {
+        dims,
+        q,
+        k,
+        v,
+        scale: 1.0 / (d as f64).sqrt(),
+        causal: Some(Causal::BottomRight),
+        window: None,
+        mask: RefMask::None,
+        key_lengths,
+        alibi: None,
+        softcap: None,
+        sinks: None,
+    })
+    .out
+}
+
 /// Miri: the CPU-vendor check behind the decode walk runs CPUID, which Miri cannot; and the
 /// decode path end to end (GQA group, split chunks merged) on a KV cache.
 #[test]
@@ -794,30 +828,9 @@ fn kv_cache_decode_matches_reference() {
                 &opts_for(isa).kernel(Kernel::Decode),
             )
             .unwrap();
-        let dims = Dims {
-            b,
-            hq,
-            hkv,
-            lq: 1,
-            lk: 3,
-            d,
-            dv: d,
-        };
-        let want = reference(&Problem {
-            dims,
-            q: &q,
-            k: &k,
-            v: &v,
-            scale: 1.0 / (d as f64).sqrt(),
-            causal: Some(Causal::BottomRight),
-            window: None,
-            mask: RefMask::None,
-            key_lengths: Some(&[3, 2]),
-            alibi: None,
-            softcap: None,
-            sinks: None,
-        });
-        for (i, (&g, &w)) in out.iter().zip(&want.out).enumerate() {
+        let dims = (b, hq, hkv, 3, d, d);
+        let want = decode_reference(dims, [&q, &k, &v], Some(&[3, 2]));
+        for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
             assert!(close(g, w, ATOL, RTOL), "{isa} out[{i}] {g} vs {w}");
         }
     }
@@ -850,30 +863,8 @@ fn bf16_cache_decode_reads_pairs_in_bounds() {
                 &opts_for(isa).kernel(Kernel::Decode),
             )
             .unwrap();
-        let dims = Dims {
-            b,
-            hq,
-            hkv,
-            lq: 1,
-            lk,
-            d,
-            dv,
-        };
-        let want = reference(&Problem {
-            dims,
-            q: &q,
-            k: &k,
-            v: &v,
-            scale: 1.0 / (d as f64).sqrt(),
-            causal: None,
-            window: None,
-            mask: RefMask::None,
-            key_lengths: None,
-            alibi: None,
-            softcap: None,
-            sinks: None,
-        });
-        for (i, (&g, &w)) in out.iter().zip(&want.out).enumerate() {
+        let want = decode_reference((b, hq, hkv, lk, d, dv), [&q, &k, &v], None);
+        for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
             assert!(close(g, w, ATOL, RTOL), "{isa} out[{i}] {g} vs {w}");
         }
     }
