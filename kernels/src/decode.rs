@@ -247,6 +247,10 @@ struct Ahead {
     vbytes: usize,
     /// Whether every row starts on a line (then offsets that are multiples of 64 reach them all).
     aligned: bool,
+    /// Whether a step's lines are found the short way ([`Ahead::at`]): K's rows and V's rows
+    /// are each back to back and of one length (the usual cache layout), and they are narrower
+    /// than f32.
+    runs: bool,
 }
 
 impl Ahead {
@@ -270,6 +274,7 @@ impl Ahead {
             kbytes: d * size,
             vbytes: dv * size,
             aligned: (k as usize | v as usize | (ldk * size) | (ldv * size)).is_multiple_of(64),
+            runs: ldk == d && ldv == dv && d == dv && size < 4,
         }
     }
     /// Requests the lines of K and V for a step over bytes `[bo, bo + sb)` of a row (`sb ≤ 64`).
@@ -278,6 +283,21 @@ impl Ahead {
     /// W = 8); other rows get the line at `bo` of each row when a line starts there.
     #[inline(always)]
     fn at<const KEYS: usize>(&self, bo: usize, sb: usize) {
+        // A full group over back-to-back narrow rows whose step spans at most one line of each
+        // (`sb` is a constant here): a step whose offset starts a line requests that line of K
+        // and of V, with no arithmetic on the row length. The general form below cost the hot
+        // score loop a third of its instructions; f32 rows, and steps of several lines, stay
+        // on it, as from DRAM they ran slower the short way (docs/tuning-log.md, "Decode
+        // walks").
+        let len = KEYS * sb;
+        if self.runs && self.n == KEYS && 64 % len == 0 {
+            let lo = bo * KEYS;
+            if lo.is_multiple_of(64) {
+                crate::simd::prefetch_l2(self.k.wrapping_add(lo));
+                crate::simd::prefetch_l2(self.v.wrapping_add(lo));
+            }
+            return;
+        }
         // A prefetch never faults, so the addresses may be anywhere.
         let run = |p: *const u8, row: usize| {
             let (lo, hi) = (bo * self.n, (bo + sb).min(row) * self.n);
