@@ -673,6 +673,13 @@ unsafe fn scores<
                         pf_run = a.run(jp);
                     }
                     let off = jp - pf_run.start;
+                    if KV::DTYPE == Dtype::I8 && !a.pages.is_contiguous() {
+                        // Each page keeps its int8 scales apart from the next page's, where
+                        // the hardware prefetchers do not follow them (a contiguous cache's
+                        // scales are one stream they do): requested with the rows.
+                        crate::simd::prefetch_l2(pf_run.k_scale.wrapping_add(off).cast());
+                        crate::simd::prefetch_l2(pf_run.v_scale.wrapping_add(off).cast());
+                    }
                     (pf_run.k.add(off * a.ldk), pf_run.v.add(off * a.ldv))
                 } else {
                     (a.k, a.v)
