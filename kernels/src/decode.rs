@@ -250,7 +250,7 @@ struct Ahead {
     /// Whether a step's lines are found the short way ([`Ahead::at`]): K's rows and V's rows
     /// are each back to back and of one length (the usual cache layout), and they are narrower
     /// than f32.
-    runs: bool,
+    short_way: bool,
 }
 
 impl Ahead {
@@ -274,7 +274,7 @@ impl Ahead {
             kbytes: d * size,
             vbytes: dv * size,
             aligned: (k as usize | v as usize | (ldk * size) | (ldv * size)).is_multiple_of(64),
-            runs: ldk == d && ldv == dv && d == dv && size < 4,
+            short_way: ldk == d && ldv == dv && d == dv && size < 4,
         }
     }
     /// Requests the lines of K and V for a step over bytes `[bo, bo + sb)` of a row (`sb ≤ 64`).
@@ -290,7 +290,7 @@ impl Ahead {
         // on it, as from DRAM they ran slower the short way (docs/tuning-log.md, "Decode
         // walks").
         let len = KEYS * sb;
-        if self.runs && self.n == KEYS && 64 % len == 0 {
+        if self.short_way && self.n == KEYS && 64 % len == 0 {
             let lo = bo * KEYS;
             if lo.is_multiple_of(64) {
                 crate::simd::prefetch_l2(self.k.wrapping_add(lo));
