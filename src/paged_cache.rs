@@ -71,9 +71,10 @@ pub struct PagedKvCache<E: Operand = f32> {
     shift: u32,
     k: AlignedBuf<E>,
     v: AlignedBuf<E>,
-    /// int8 only (else empty): row scales, `(pages, Hkv, page_len)`.
-    kscale: Vec<f32>,
-    vscale: Vec<f32>,
+    /// int8 only (else empty): row scales, `(pages, Hkv, page_len)`, on a cache line so a
+    /// page of 16 tokens keeps one head's scales in one line, not two.
+    kscale: AlignedBuf<f32>,
+    vscale: AlignedBuf<f32>,
     /// Sequences using each page (0: free).
     refs: Vec<u32>,
     /// Free pages, taken from the end.
@@ -121,8 +122,8 @@ impl<E: Operand> PagedKvCache<E> {
         let klen = checked_len(arg, &[rows, d])?;
         let vlen = checked_len(arg, &[rows, dv])?;
         let scales = if E::DTYPE == Dtype::I8 { rows } else { 0 };
-        let kscale = try_zeros::<f32>(arg, scales)?;
-        let vscale = try_zeros::<f32>(arg, scales)?;
+        let kscale = AlignedBuf::try_zeroed_of(scales, false)?;
+        let vscale = AlignedBuf::try_zeroed_of(scales, false)?;
         let refs = try_zeros::<u32>(arg, pages)?;
         let mut free = try_zeros::<u32>(arg, pages)?;
         // Taken from the end: page 0 first.
