@@ -34,10 +34,14 @@ struct Seq {
 /// One layer's paged cache: a pool of `pages` pages of `page_len` tokens each, shared by any
 /// number of sequences, each with `hkv` KV heads of head dims `d` (keys) and `dv` (values).
 ///
-/// **Layout.** The pool holds K as `(pages, Hkv, page_len, D)` and V as
-/// `(pages, Hkv, page_len, Dv)`: a page holds `page_len` consecutive tokens of one sequence for
-/// every KV head, and each head's rows in it are contiguous, so the decode kernel streams a page
-/// per head as it would a contiguous cache. Sequence `s`'s token `j` is in its page
+/// **Layout.** A page holds `page_len` consecutive tokens of one sequence for every KV head: per
+/// head its `page_len` K rows, then its `page_len` V rows, back to back (`(pages, Hkv, K rows |
+/// V rows)`; int8 scales likewise, `(pages, Hkv, K scales | V scales)`), so the decode kernel
+/// streams a page per head as it would a contiguous cache. K and V side by side make one run
+/// of memory per page and head where separate pools made two: pages lie scattered in the pool,
+/// and on the Zen 2 VM a plain read of scattered runs of 2 KiB (int8 rows, 16-token pages) ran
+/// at 0.71 of a contiguous read and of 8 KiB at 0.89, of 4 and 16 KiB at 0.87 and 0.98
+/// (docs/tuning-log.md, "Decode walks"). Sequence `s`'s token `j` is in its page
 /// `j / page_len`. `page_len` is a power of two (the kernel finds a key's page by a shift).
 ///
 /// **Pages.** [`append`](Self::append) takes a free page whenever a sequence's last page is
@@ -69,12 +73,11 @@ pub struct PagedKvCache<E: Operand = f32> {
     dv: usize,
     page_len: usize,
     shift: u32,
-    k: AlignedBuf<E>,
-    v: AlignedBuf<E>,
-    /// int8 only (else empty): row scales, `(pages, Hkv, page_len)`, on a cache line so a
-    /// page of 16 tokens keeps one head's scales in one line, not two.
-    kscale: AlignedBuf<f32>,
-    vscale: AlignedBuf<f32>,
+    /// K and V rows: `page_len·(d + dv)` elements per page and head, K's rows first.
+    kv: AlignedBuf<E>,
+    /// int8 only (else empty): row scales, `2·page_len` per page and head, K's first; on a
+    /// cache line, so a page of 16 tokens keeps one head's K scales in one line.
+    scales: AlignedBuf<f32>,
     /// Sequences using each page (0: free).
     refs: Vec<u32>,
     /// Free pages, taken from the end.
@@ -119,29 +122,31 @@ impl<E: Operand> PagedKvCache<E> {
         // Every product the cache or the kernel forms from these sizes is checked here.
         checked_len(arg, &[pages, page_len])?;
         let rows = checked_len(arg, &[pages, hkv, page_len])?;
-        let klen = checked_len(arg, &[rows, d])?;
-        let vlen = checked_len(arg, &[rows, dv])?;
-        let scales = if E::DTYPE == Dtype::I8 { rows } else { 0 };
-        let kscale = AlignedBuf::try_zeroed_of(scales, false)?;
-        let vscale = AlignedBuf::try_zeroed_of(scales, false)?;
+        checked_len(arg, &[rows, d])?;
+        checked_len(arg, &[rows, dv])?;
+        let dkv = d.checked_add(dv).ok_or(AttnError::Overflow { arg })?;
+        let kvlen = checked_len(arg, &[rows, dkv])?;
+        let nscales = if E::DTYPE == Dtype::I8 {
+            checked_len(arg, &[rows, 2])?
+        } else {
+            0
+        };
+        let scales = AlignedBuf::try_zeroed_of(nscales, false)?;
         let refs = try_zeros::<u32>(arg, pages)?;
         let mut free = try_zeros::<u32>(arg, pages)?;
         // Taken from the end: page 0 first.
         for (i, p) in free.iter_mut().rev().enumerate() {
             *p = i as u32;
         }
-        let k = AlignedBuf::try_zeroed_of(klen, true)?;
-        let v = AlignedBuf::try_zeroed_of(vlen, true)?;
+        let kv = AlignedBuf::try_zeroed_of(kvlen, true)?;
         Ok(PagedKvCache {
             hkv,
             d,
             dv,
             page_len,
             shift: page_len.trailing_zeros(),
-            k,
-            v,
-            kscale,
-            vscale,
+            kv,
+            scales,
             refs,
             free,
             seqs: HashMap::new(),
@@ -365,23 +370,26 @@ impl<E: Operand> PagedKvCache<E> {
                 let page = s.pages[tok >> self.shift] as usize;
                 let slot = tok & (self.page_len - 1);
                 for h in 0..self.hkv {
-                    // Row (page, h, slot) of the pool.
-                    let r = (page * self.hkv + h) * self.page_len + slot;
+                    // Block (page, h) of the pool: its K rows, then its V rows.
+                    let blk = page * self.hkv + h;
+                    let base = blk * self.page_len * (self.d + self.dv);
+                    let sbase = blk * 2 * self.page_len;
                     if self.d > 0 {
                         let sc = E::encode(
                             append_row(k, self.d, b, h, i),
-                            &mut self.k[r * self.d..][..self.d],
+                            &mut self.kv[base + slot * self.d..][..self.d],
                         );
-                        if let Some(x) = self.kscale.get_mut(r) {
+                        if let Some(x) = self.scales.get_mut(sbase + slot) {
                             *x = sc;
                         }
                     }
                     if self.dv > 0 {
+                        let vb = base + self.page_len * self.d;
                         let sc = E::encode(
                             append_row(v, self.dv, b, h, i),
-                            &mut self.v[r * self.dv..][..self.dv],
+                            &mut self.kv[vb + slot * self.dv..][..self.dv],
                         );
-                        if let Some(x) = self.vscale.get_mut(r) {
+                        if let Some(x) = self.scales.get_mut(sbase + self.page_len + slot) {
                             *x = sc;
                         }
                     }
@@ -403,18 +411,18 @@ impl<E: Operand> PagedKvCache<E> {
         }
         let new = self.take_page();
         let (old, newu) = (old as usize, new as usize);
+        let (p, dkv) = (self.page_len, self.d + self.dv);
         for h in 0..self.hkv {
-            let (ro, rn) = (
-                (old * self.hkv + h) * self.page_len,
-                (newu * self.hkv + h) * self.page_len,
-            );
-            self.k
-                .copy_within(ro * self.d..(ro + used) * self.d, rn * self.d);
-            self.v
-                .copy_within(ro * self.dv..(ro + used) * self.dv, rn * self.dv);
-            if !self.kscale.is_empty() {
-                self.kscale.copy_within(ro..ro + used, rn);
-                self.vscale.copy_within(ro..ro + used, rn);
+            let (bo, bn) = (old * self.hkv + h, newu * self.hkv + h);
+            // The used K rows, then the used V rows (after the block's `p` K rows).
+            let (ko, kn) = (bo * p * dkv, bn * p * dkv);
+            self.kv.copy_within(ko..ko + used * self.d, kn);
+            let (vo, vn) = (ko + p * self.d, kn + p * self.d);
+            self.kv.copy_within(vo..vo + used * self.dv, vn);
+            if !self.scales.is_empty() {
+                let (so, sn) = (bo * 2 * p, bn * 2 * p);
+                self.scales.copy_within(so..so + used, sn);
+                self.scales.copy_within(so + p..so + p + used, sn + p);
             }
         }
         self.refs[old] -= 1;
@@ -467,10 +475,10 @@ impl<E: Operand> PagedKvCache<E> {
             ..*opts
         };
         let kv = PagedKv {
-            k: &self.k,
-            v: &self.v,
-            k_scales: &self.kscale,
-            v_scales: &self.vscale,
+            k: &self.kv,
+            v: self.kv.get(self.page_len * self.d..).unwrap_or(&[]),
+            k_scales: &self.scales,
+            v_scales: self.scales.get(self.page_len..).unwrap_or(&[]),
             hkv: self.hkv,
             d: self.d,
             dv: self.dv,

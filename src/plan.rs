@@ -131,10 +131,12 @@ fn scales_plan(
 
 /// Everything validated, as raw parts the tasks can share: Q of element type `Q`, K and V of
 /// `KV`, the output of `O`.
-/// A paged cache's keys and values for [`Plan::new_paged`]: pools of `(pages, Hkv, P, D)` K,
-/// `(pages, Hkv, P, Dv)` V and, for int8, `(pages, Hkv, P)` scales each, `P = 2^shift` tokens a
-/// page; sequence `b`'s key `j` in page `table[b·per_seq + j/P]`. The owner guarantees every
-/// table entry names a page of the pools and every sequence has `per_seq` entries (padded).
+/// A paged cache's keys and values for [`Plan::new_paged`]: one pool of `(pages, Hkv, P·D K
+/// values | P·Dv V values)`, `P = 2^shift` tokens a page, with `k` its start and `v` the
+/// start of the first block's V rows (`P·D` later), and for int8 one of `(pages, Hkv, P K
+/// scales | P V scales)` likewise (`v_scales` `P` into it); sequence `b`'s key `j` in page
+/// `table[b·per_seq + j/P]`. The owner guarantees every table entry names a page of the pools
+/// and every sequence has `per_seq` entries (padded).
 pub(crate) struct PagedKv<'a, KV> {
     pub(crate) k: &'a [KV],
     pub(crate) v: &'a [KV],
@@ -323,26 +325,28 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
         };
         let mut plan = Plan::validate(q, &k, &v, out.shape, opts, extras)?;
         let page = 1usize << kv.shift;
-        let (pk, pv) = (page * kv.d, page * kv.dv);
+        // One block per page and head: K rows, then V rows (the owner sized the pool, so
+        // these products do not overflow).
+        let blk = page * (kv.d + kv.dv);
         plan.k = kv.k.as_ptr();
-        plan.ks = [0, pk, kv.d];
+        plan.ks = [0, blk, kv.d];
         plan.v = kv.v.as_ptr();
-        plan.vs = [0, pv, kv.dv];
+        plan.vs = [0, blk, kv.dv];
         if KV::DTYPE == Dtype::I8 {
             plan.scales = Some(ScalesPlan {
                 k: kv.k_scales.as_ptr(),
-                ks: [0, page],
+                ks: [0, 2 * page],
                 v: kv.v_scales.as_ptr(),
-                vs: [0, page],
+                vs: [0, 2 * page],
             });
         }
         plan.pages = Some(PagesPlan {
             table: kv.table.as_ptr(),
             per_seq: kv.per_seq,
             shift: kv.shift,
-            k_stride: kv.hkv * pk,
-            v_stride: kv.hkv * pv,
-            scale_stride: kv.hkv * page,
+            k_stride: kv.hkv * blk,
+            v_stride: kv.hkv * blk,
+            scale_stride: kv.hkv * 2 * page,
         });
         plan.bind_out(out)?;
         Ok(plan)

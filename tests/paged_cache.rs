@@ -216,8 +216,14 @@ fn attend_one<E: Operand>(
     out
 }
 
-fn attend_contiguous(t: &Tokens, hkv: usize, q: &[f32], hq: usize, d: usize) -> Vec<f32> {
-    let c = contiguous::<f32>(t, hkv, d, d);
+fn attend_contiguous<E: Operand>(
+    t: &Tokens,
+    hkv: usize,
+    q: &[f32],
+    hq: usize,
+    d: usize,
+) -> Vec<f32> {
+    let c = contiguous::<E>(t, hkv, d, d);
     let mut out = vec![0.0f32; hq * d];
     let opts = SdpaOptions::new().kernel(Kernel::Decode);
     c.attend(
@@ -231,9 +237,19 @@ fn attend_contiguous(t: &Tokens, hkv: usize, q: &[f32], hq: usize, d: usize) -> 
 
 #[test]
 fn fork_shares_full_pages_and_copies_the_partial_one_on_write() {
+    fork_case::<f32>();
+}
+
+/// The copy on write takes the int8 rows' scales along.
+#[test]
+fn int8_fork_copies_the_partial_page_with_its_scales() {
+    fork_case::<i8>();
+}
+
+fn fork_case<E: Operand>() {
     let mut rng = SmallRng::seed_from_u64(5);
     let (hkv, hq, d, page) = (2, 4, 8, 4);
-    let mut c = PagedKvCache::new(hkv, d, d, page, 16).unwrap();
+    let mut c = PagedKvCache::<E>::new_of(hkv, d, d, page, 16).unwrap();
     let a = c.add_sequence();
     // 10 tokens: pages 0 and 1 full, page 2 holds 2.
     let prefix = tokens(&mut rng, &[10], hkv, d, d);
@@ -286,7 +302,7 @@ fn fork_shares_full_pages_and_copies_the_partial_one_on_write() {
     };
     let q = randn(&mut rng, hq * d, 1.0);
     for (id, t) in [(a, &ta), (b, &tb)] {
-        let want = attend_contiguous(&join(t), hkv, &q, hq, d);
+        let want = attend_contiguous::<E>(&join(t), hkv, &q, hq, d);
         assert!(same_bits(&attend_one(&c, id, &q, hq, d), &want));
     }
     // Freeing one branch keeps the shared pages for the other.
@@ -297,7 +313,7 @@ fn fork_shares_full_pages_and_copies_the_partial_one_on_write() {
         free_before + 2,
         "a's own pages 2 and 3 return"
     );
-    let want = attend_contiguous(&join(&tb), hkv, &q, hq, d);
+    let want = attend_contiguous::<E>(&join(&tb), hkv, &q, hq, d);
     assert!(same_bits(&attend_one(&c, b, &q, hq, d), &want));
     c.free(b).unwrap();
     assert_eq!(c.free_pages(), 16);
@@ -329,7 +345,7 @@ fn truncate_returns_unshared_pages_and_appends_after_it_overwrite_nothing_shared
     .unwrap();
     let q = randn(&mut rng, hq * d, 1.0);
     // `b` still sees the original 8 tokens.
-    let want = attend_contiguous(&t, hkv, &q, hq, d);
+    let want = attend_contiguous::<f32>(&t, hkv, &q, hq, d);
     assert!(same_bits(&attend_one(&c, b, &q, hq, d), &want));
     // Truncating `b` to 0 returns nothing shared... and freeing both empties the pool.
     c.truncate(b, 0).unwrap();
