@@ -203,12 +203,19 @@ fn paired(p: usize, n2: usize, w: usize) -> usize {
     }
 }
 
-/// Where the scaled query value `(r, p)` of `R` rows lives in the kernel's Q buffer: lane chunks
-/// of the rows interleaved (chunk `c` of row `r` at `c·R + r·w`), so one pointer with constant
-/// offsets addresses every row's chunk (per-row pointers spilled to the stack at R = 4, W = 8).
+/// Where the scaled query value `(r, p)` of `R` rows lives in the kernel's Q buffer (rows of
+/// `dp` floats). With 8 lanes (16 registers) the rows' lane chunks are interleaved (chunk `c` of
+/// row `r` at `c·R + r·w`), so one pointer with constant offsets reaches every row's chunk: the
+/// per-row pointers spilled to the stack at R = 4 (Zen 2). With 16 lanes (32 registers) each row
+/// is whole (`r·dp + p`): on Zen 4 the interleaved form ran the f32 cache ≈ 15 % slower from
+/// DRAM and int8 5 % slower (docs/tuning-log.md, "Decode walks").
 #[inline(always)]
-fn q_at<const R: usize>(r: usize, p: usize, w: usize) -> usize {
-    p / w * (R * w) + r * w + p % w
+fn q_at<const R: usize>(r: usize, p: usize, w: usize, dp: usize) -> usize {
+    if w >= 16 {
+        r * dp + p
+    } else {
+        p / w * (R * w) + r * w + p % w
+    }
 }
 
 /// Floats of one row's partial result: `[m, l, o_0 … o_{dv−1}]`.
@@ -424,7 +431,7 @@ unsafe fn decode_rows<
         obuf.fill(0.0);
         for (r, row) in rows.iter().enumerate() {
             for p in 0..d {
-                qbuf[q_at::<R>(r, paired(p, d2, w), w)] = get(row.q.add(p)) * qscale;
+                qbuf[q_at::<R>(r, paired(p, d2, w), w, dp)] = get(row.q.add(p)) * qscale;
             }
         }
         let ranges: [(usize, usize); R] = core::array::from_fn(|r| rows[r].spec.visible_range(0));
@@ -668,6 +675,7 @@ unsafe fn scores<
     let w = S::W;
     let d = a.d;
     let dfull = d / w * w;
+    let dp = d.div_ceil(w) * w;
     let mut sums = [0.0f32; 16];
     // SAFETY: every access stays within the extents of the contract.
     unsafe {
@@ -691,7 +699,7 @@ unsafe fn scores<
                 };
             }
             let acc = if KM {
-                dots_key_major::<S, KV, R, KEYS>(kp, q, d2, dfull)
+                dots_key_major::<S, KV, R, KEYS>(kp, q, dp, d2, dfull)
             } else {
                 // Walking KEYS rows side by side hides K from the hardware prefetchers, so the
                 // K and V rows PF keys ahead are requested explicitly (PF = 0: none, for one-key
@@ -722,7 +730,7 @@ unsafe fn scores<
                     (a.k, a.v)
                 };
                 let ahead = Ahead::new(kpf, a.ldk, d, vpf, a.ldv, a.dv, npf);
-                dots_chunk_major::<S, KV, R, KEYS>(kp, q, d2, dfull, &ahead)
+                dots_chunk_major::<S, KV, R, KEYS>(kp, q, dp, d2, dfull, &ahead)
             };
             let mut regs = [S::splat(0.0); 16];
             for r in 0..R {
@@ -735,7 +743,7 @@ unsafe fn scores<
                 for (k, &kp) in kp.iter().enumerate().take(live) {
                     let mut x = sums[r * KEYS + k];
                     for p in dfull..d {
-                        x += *q.add(q_at::<R>(r, p, w)) * get(kp.add(p));
+                        x += *q.add(q_at::<R>(r, p, w, dp)) * get(kp.add(p));
                     }
                     *s.add(r * KB + jj + k) = x;
                 }
@@ -750,12 +758,13 @@ unsafe fn scores<
 /// from L1. The first `d2` columns are read as bf16 pairs (Q in pair order there).
 ///
 /// # Safety
-/// `kp[k]` readable for `dfull` values; `q` for R rows laid out by [`q_at`]; `d2 > 0` only for
+/// `kp[k]` readable for `dfull` values; `q` for R rows of `dp` laid out by [`q_at`]; `d2 > 0` only for
 /// bf16 K, a multiple of `2W`; the ISA of `S` is enabled.
 #[inline(always)]
 unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>(
     kp: [*const KV; KEYS],
     q: *const f32,
+    dp: usize,
     d2: usize,
     dfull: usize,
 ) -> [[S::V; KEYS]; R] {
@@ -768,15 +777,15 @@ unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>
             while c < d2 {
                 let [ke, ko] = S::load_bf16_pairs(p.add(c).cast());
                 for (r, accr) in acc.iter_mut().enumerate() {
-                    accr[k] = S::fma(S::load(q.add(c * R + r * w)), ke, accr[k]);
-                    accr[k] = S::fma(S::load(q.add((c + w) * R + r * w)), ko, accr[k]);
+                    accr[k] = S::fma(S::load(q.add(q_at::<R>(r, c, w, dp))), ke, accr[k]);
+                    accr[k] = S::fma(S::load(q.add(q_at::<R>(r, c + w, w, dp))), ko, accr[k]);
                 }
                 c += 2 * w;
             }
             while c < dfull {
                 let kv = S::load_as(p.add(c));
                 for (r, accr) in acc.iter_mut().enumerate() {
-                    accr[k] = S::fma(S::load(q.add(c * R + r * w)), kv, accr[k]);
+                    accr[k] = S::fma(S::load(q.add(q_at::<R>(r, c, w, dp))), kv, accr[k]);
                 }
                 c += w;
             }
@@ -794,6 +803,7 @@ unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>
 unsafe fn dots_chunk_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>(
     kp: [*const KV; KEYS],
     q: *const f32,
+    dp: usize,
     d2: usize,
     dfull: usize,
     ahead: &Ahead,
@@ -815,8 +825,8 @@ unsafe fn dots_chunk_major<S: Simd, KV: Stored, const R: usize, const KEYS: usiz
                 let mut qv = [[S::splat(0.0); 2]; R];
                 for (r, x) in qv.iter_mut().enumerate() {
                     *x = [
-                        S::load(q.add(c * R + r * w)),
-                        S::load(q.add((c + w) * R + r * w)),
+                        S::load(q.add(q_at::<R>(r, c, w, dp))),
+                        S::load(q.add(q_at::<R>(r, c + w, w, dp))),
                     ];
                 }
                 for (k, p) in kp.iter().enumerate() {
@@ -833,7 +843,7 @@ unsafe fn dots_chunk_major<S: Simd, KV: Stored, const R: usize, const KEYS: usiz
                 }
                 for (r, accr) in acc.iter_mut().enumerate() {
                     for h in 0..2 {
-                        let qv = S::load(q.add((c + h * w) * R + r * w));
+                        let qv = S::load(q.add(q_at::<R>(r, c + h * w, w, dp)));
                         for k in 0..KEYS {
                             accr[k] = S::fma(qv, kv[k][h], accr[k]);
                         }
@@ -849,7 +859,7 @@ unsafe fn dots_chunk_major<S: Simd, KV: Stored, const R: usize, const KEYS: usiz
                 *x = S::load_as(p.add(c));
             }
             for (r, accr) in acc.iter_mut().enumerate() {
-                let qv = S::load(q.add(c * R + r * w));
+                let qv = S::load(q.add(q_at::<R>(r, c, w, dp)));
                 for k in 0..KEYS {
                     accr[k] = S::fma(qv, kv[k], accr[k]);
                 }
