@@ -52,7 +52,8 @@ pub enum DecodeWalk {
     /// K and V rows read whole as plain sequential streams, no software prefetch, except where
     /// several rows side by side defeat the hardware prefetchers (5, 7, 8-row groups). Measured
     /// best on Zen 4 (software prefetch slowed plain streams by 20–30 %); see
-    /// docs/tuning-log.md, "Decode walks".
+    /// docs/tuning-log.md, "Decode walks". Contiguous caches only: a paged cache takes
+    /// [`DecodeWalk::Prefetch`]'s walk, as its pages break the streams.
     Streams,
     /// Every group prefetches the K and V rows 24 keys ahead in software. Measured best on the
     /// Xeon (Sapphire Rapids class; four-row groups 0.80 → 1.08–1.10 of a plain read of K and
@@ -1097,7 +1098,10 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
         // SAFETY: forwarded contract; the row subset and its partial rows stay in bounds.
         unsafe {
             let p = partial.add(r0 * ldp);
-            let streams = sub.walk.resolve() == DecodeWalk::Streams;
+            // Pages end the streams the hardware prefetchers follow (every 8 KiB of f32 K at
+            // page 16), so a paged cache takes the software-prefetch walk on every core (Zen 4,
+            // f32, page 16: 0.49–0.63 of the contiguous cache on the key-major walk).
+            let streams = sub.walk.resolve() == DecodeWalk::Streams && sub.pages.is_contiguous();
             macro_rules! run {
                 ($r:literal, $s16:tt, $p16:tt, $s8:tt, $p8:tt) => {
                     match (S::W == 16, streams) {
