@@ -759,8 +759,8 @@ unsafe fn scores<
 /// from L1. The first `d2` columns are read as bf16 pairs (Q in pair order there).
 ///
 /// # Safety
-/// `kp[k]` readable for `dfull` values; `q` for R rows of `dp` laid out by [`q_at`]; `d2 > 0` only for
-/// bf16 K, a multiple of `2W`; the ISA of `S` is enabled.
+/// `kp[k]` readable for `dfull` values; `q` for R rows of `dp` laid out by [`q_at`]; `d2 > 0`
+/// only for bf16 K, a multiple of `2W`; the ISA of `S` is enabled.
 #[inline(always)]
 unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>(
     kp: [*const KV; KEYS],
@@ -1100,7 +1100,7 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
             let p = partial.add(r0 * ldp);
             // Pages end the streams the hardware prefetchers follow (every 8 KiB of f32 K at
             // page 16), so a paged cache takes the software-prefetch walk on every core (Zen 4,
-            // f32, page 16: 0.49–0.63 of the contiguous cache on the key-major walk).
+            // f32, page 16: 0.49–0.67 of the contiguous cache on the key-major walk).
             let streams = sub.walk.resolve() == DecodeWalk::Streams && sub.pages.is_contiguous();
             macro_rules! run {
                 ($r:literal, $s16:tt, $p16:tt, $s8:tt, $p8:tt) => {
