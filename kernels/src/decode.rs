@@ -23,7 +23,7 @@
 use crate::elem::{get, Dtype, Elem, Stored};
 use crate::pages::KvPages;
 use crate::score::ScoreSpec;
-use crate::simd::{aligned, exp2, Simd, SimdDiv, ALIGN_SLACK};
+use crate::simd::{aligned, exp2, Body, Simd, SimdDiv, ALIGN_SLACK};
 
 const LOG2E: f32 = core::f32::consts::LOG2_E;
 
@@ -187,6 +187,23 @@ impl<KV> PageRun<KV> {
     fn holds(&self, j: usize) -> bool {
         self.start <= j && j < self.end
     }
+}
+
+/// K and V narrower than f32 (16 or 8 bits). This and the two below are tested in `const`
+/// blocks, so an instance compiles only the variants its types can take (each is seconds of
+/// build).
+const fn narrow<KV: Stored>() -> bool {
+    core::mem::size_of::<KV>() < 4
+}
+
+/// bf16 K and V read as pairs on `S`.
+const fn bf16_pairs<S: Simd, KV: Stored>() -> bool {
+    matches!(KV::DTYPE, Dtype::Bf16) && S::BF16_PAIRS
+}
+
+/// int8 K and V, with row scales.
+const fn int8<KV: Stored>() -> bool {
+    matches!(KV::DTYPE, Dtype::I8)
 }
 
 /// Where element `p` of a row lives in the kernel's buffers when the first `n2` elements (a
@@ -417,7 +434,7 @@ unsafe fn decode_rows<
     assert!(R * KEYS <= w, "decode: R·KEYS exceeds the lanes");
     // bf16 K and V are read as pairs where the ISA splits them cheaply: the first `d2` columns
     // of Q (scores) and `dv2` of O (P·V, when its passes take whole pairs) in pair order.
-    let pairs = KV::DTYPE == Dtype::Bf16 && S::BF16_PAIRS;
+    let pairs = const { bf16_pairs::<S, KV>() };
     let d2 = if pairs { d / (2 * w) * (2 * w) } else { 0 };
     let dv2 = if pairs && NC.is_multiple_of(2) {
         dv / (2 * w) * (2 * w)
@@ -469,13 +486,13 @@ unsafe fn decode_rows<
             }
             if nk > 0 {
                 // Every P·V of the previous block is done: now the rescale may touch O.
-                if KV::DTYPE == Dtype::I8 {
+                if const { int8::<KV>() } {
                     // Each score times its int8 key row's scale, before the score rule (which
                     // may be nonlinear: softcap).
                     scale_keys::<S, Q, KV, R>(a, false, jb, nk, scur);
                 }
                 softmax_block::<S, Q, R>(rows, jb, nk, scur, obuf, dvp, &mut st);
-                if KV::DTYPE == Dtype::I8 {
+                if const { int8::<KV>() } {
                     // The sums are taken; P·V weighs each int8 value row by its scale.
                     scale_keys::<S, Q, KV, R>(a, true, jb, nk, scur);
                 }
@@ -584,7 +601,8 @@ unsafe fn pv_pass<S: Simd, KV: Stored, const R: usize, const RG: usize, const NC
             r0 += RG;
         }
         let (pp, op) = (p.as_ptr().add(r0 * KB + k0), o.as_mut_ptr().add(r0 * dvp));
-        match R - r0 {
+        // What the groups leave: R mod RG, a constant, so only that remainder compiles.
+        match const { R % RG } {
             1 => pv_rows::<S, KV, 1, NC>(&blk, pp, op),
             2 => pv_rows::<S, KV, 2, NC>(&blk, pp, op),
             3 => pv_rows::<S, KV, 3, NC>(&blk, pp, op),
@@ -775,7 +793,7 @@ unsafe fn dots_key_major<S: Simd, KV: Stored, const R: usize, const KEYS: usize>
         let mut acc = [[S::splat(0.0); KEYS]; R];
         for (k, &p) in kp.iter().enumerate() {
             let mut c = 0;
-            while c < d2 {
+            while const { bf16_pairs::<S, KV>() } && c < d2 {
                 let [ke, ko] = S::load_bf16_pairs(p.add(c).cast());
                 for (r, accr) in acc.iter_mut().enumerate() {
                     accr[k] = S::fma(S::load(q.add(q_at::<R>(r, c, w, dp))), ke, accr[k]);
@@ -818,7 +836,7 @@ unsafe fn dots_chunk_major<S: Simd, KV: Stored, const R: usize, const KEYS: usiz
     unsafe {
         let mut acc = [[S::splat(0.0); KEYS]; R];
         let mut c = 0;
-        while c < d2 {
+        while const { bf16_pairs::<S, KV>() } && c < d2 {
             ahead.at::<KEYS>(c * size, 2 * w * size);
             if q_held {
                 // Plain loops, not `array::from_fn`: a closure may stay out of line, and then
@@ -965,10 +983,12 @@ unsafe fn pv_rows<S: Simd, KV: Stored, const G: usize, const NC: usize>(
     // `2w` and NC is even when it is not 0, so pair passes take whole pairs.
     unsafe {
         let mut c = 0;
-        while c < blk.dv2 {
-            let nc = NC.min((blk.dv2 - c) / w);
-            pv_chunks::<S, KV, G, NC, true>(blk, p, o, c, nc);
-            c += nc * w;
+        if const { bf16_pairs::<S, KV>() && NC.is_multiple_of(2) } {
+            while c < blk.dv2 {
+                let nc = NC.min((blk.dv2 - c) / w);
+                pv_chunks::<S, KV, G, NC, true>(blk, p, o, c, nc);
+                c += nc * w;
+            }
         }
         while c < dvfull {
             let nc = NC.min((dvfull - c) / w);
@@ -1077,6 +1097,51 @@ unsafe fn pv_chunk<S: Simd, KV: Stored, const G: usize, const NC: usize, const P
     }
 }
 
+/// One variant of [`decode_rows`], run out of line by [`Simd::isolate`].
+struct Rows<
+    's,
+    'a,
+    Q: Elem,
+    KV: Stored,
+    const R: usize,
+    const KEYS: usize,
+    const KM: bool,
+    const RG: usize,
+    const NC: usize,
+    const PF: usize,
+> {
+    a: &'s DecodeArgs<'a, Q, KV>,
+    partial: *mut f32,
+    ldp: usize,
+    scratch: &'s mut [f32],
+}
+
+impl<
+        S: SimdDiv,
+        Q: Elem,
+        KV: Stored,
+        const R: usize,
+        const KEYS: usize,
+        const KM: bool,
+        const RG: usize,
+        const NC: usize,
+        const PF: usize,
+    > Body<S> for Rows<'_, '_, Q, KV, R, KEYS, KM, RG, NC, PF>
+{
+    #[inline(always)]
+    unsafe fn run(self) {
+        // SAFETY: the contract of `decode_rows`, which `decode` vouches for.
+        unsafe {
+            decode_rows::<S, Q, KV, R, KEYS, KM, RG, NC, PF>(
+                self.a,
+                self.partial,
+                self.ldp,
+                self.scratch,
+            )
+        }
+    }
+}
+
 /// Runs [`decode_rows`] for `args.rows.len()` rows, in passes of up to [`DECODE_MAX_ROWS`].
 ///
 /// # Safety
@@ -1103,16 +1168,27 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
             // f32, page 16: 0.49–0.67 of the contiguous cache on the key-major walk).
             let streams = sub.walk.resolve() == DecodeWalk::Streams && sub.pages.is_contiguous();
             macro_rules! run {
+                // The lane count in a `const` block: each ISA compiles only its own variants.
                 ($r:literal, $s16:tt, $p16:tt, $s8:tt, $p8:tt) => {
-                    match (S::W == 16, streams) {
-                        (true, true) => run!(@ $r, $s16),
-                        (true, false) => run!(@ $r, $p16),
-                        (false, true) => run!(@ $r, $s8),
-                        (false, false) => run!(@ $r, $p8),
+                    if const { S::W == 16 } {
+                        if streams {
+                            run!(@ $r, $s16)
+                        } else {
+                            run!(@ $r, $p16)
+                        }
+                    } else if streams {
+                        run!(@ $r, $s8)
+                    } else {
+                        run!(@ $r, $p8)
                     }
                 };
                 (@ $r:literal, ($k:literal, $km:literal, $rg:literal, $nc:literal, $pf:expr)) => {
-                    decode_rows::<S, Q, KV, $r, $k, $km, $rg, $nc, { $pf }>(&sub, p, ldp, scratch)
+                    S::isolate(Rows::<Q, KV, $r, $k, $km, $rg, $nc, { $pf }> {
+                        a: &sub,
+                        partial: p,
+                        ldp,
+                        scratch: &mut *scratch,
+                    })
                 };
             }
             const S: usize = PF_STREAMS;
@@ -1132,7 +1208,7 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
             match n {
                 // Narrow K and V (16 or 8 bits) make a one-row group compute-bound: groups of
                 // 8 keys, so one reduction serves 8 scores and 8 FMA chains run side by side.
-                1 if core::mem::size_of::<KV>() < 4 => run!(
+                1 if const { narrow::<KV>() } => run!(
                     1,
                     (8, false, 1, 8, P),
                     (8, false, 1, 8, P),
@@ -1161,7 +1237,7 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
                     (2, false, 3, 4, P)
                 ),
                 // Narrow V: all four rows in one P·V pass, so each V chunk is widened once.
-                4 if core::mem::size_of::<KV>() < 4 => run!(
+                4 if const { narrow::<KV>() } => run!(
                     4,
                     (4, false, 4, 4, P),
                     (4, false, 4, 4, P),

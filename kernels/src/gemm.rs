@@ -237,13 +237,26 @@ unsafe fn panel<S: SimdDiv, M: Mac<S>, F: Epilogue, const MR: usize, const NV: u
         match m - i {
             0 => {}
             1 => tile::<S, M, F, 1, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            2 => tile::<S, M, F, 2, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            3 => tile::<S, M, F, 3, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            4 => tile::<S, M, F, 4, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            5 => tile::<S, M, F, 5, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            6 => tile::<S, M, F, 6, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            7 => tile::<S, M, F, 7, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            _ => unreachable!("MR is at most 8"),
+            2 if const { MR > 2 } => {
+                tile::<S, M, F, 2, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi)
+            }
+            3 if const { MR > 3 } => {
+                tile::<S, M, F, 3, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi)
+            }
+            4 if const { MR > 4 } => {
+                tile::<S, M, F, 4, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi)
+            }
+            5 if const { MR > 5 } => {
+                tile::<S, M, F, 5, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi)
+            }
+            6 if const { MR > 6 } => {
+                tile::<S, M, F, 6, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi)
+            }
+            7 if const { MR > 7 } => {
+                tile::<S, M, F, 7, NV>(kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi)
+            }
+            // Fewer than MR rows are left; the `const` guards compile only those tiles.
+            _ => unreachable!("fewer than MR ≤ 8 rows are left"),
         }
     }
 }
@@ -297,9 +310,13 @@ pub(crate) unsafe fn gemm<S: SimdDiv, M: Mac<S>, F: Epilogue, const MR: usize, c
         match nvec - v0 {
             0 => {}
             1 => panel::<S, M, F, MR, 1>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            2 => panel::<S, M, F, MR, 2>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            3 => panel::<S, M, F, MR, 3>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi),
-            _ => unreachable!("NV is at most 4"),
+            2 if const { NV > 2 } => {
+                panel::<S, M, F, MR, 2>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi)
+            }
+            3 if const { NV > 3 } => {
+                panel::<S, M, F, MR, 3>(m, kc, chain, a, rsa, csa, b, ldb, c, ldc, acc, epi)
+            }
+            _ => unreachable!("fewer than NV ≤ 4 vectors are left"),
         }
     }
 }

@@ -238,11 +238,12 @@ pub unsafe fn decode_partial_as<Q: Elem, KV: Stored>(
 }
 
 /// A storage type whose decode kernel, with f32 queries and K, V of that type, is compiled once
-/// in this crate: `f32`, [`bf16`], [`f16`](struct@f16) and `i8` (with its row scales). Callers generic over the cache's type
-/// dispatch through it rather than instantiating [`decode_partial_as`] themselves (each instance
-/// is minutes of build); queries of another type are widened to f32 first (exact, and a few
-/// rows of `d` values per call). The flash kernel needs no such trait: it is compiled once for
-/// every type ([`flash_forward_as`] only erases the types).
+/// in this crate: `f32`, [`bf16`], [`f16`](struct@f16) and `i8` (with its row scales). Callers
+/// generic over the cache's type dispatch through it rather than instantiating
+/// [`decode_partial_as`] themselves (each instance compiles some 15 kernel variants per ISA);
+/// queries of another type are widened to f32 first (exact, and a few rows of `d` values per
+/// call). The flash kernel needs no such trait: it is compiled once for every type
+/// ([`flash_forward_as`] only erases the types).
 pub trait Operand: Stored {
     /// [`decode_partial`] for f32 queries over K and V of this type.
     ///

@@ -5,6 +5,15 @@
 use crate::elem::{get, Dtype, Stored};
 use half::{bf16, f16};
 
+/// A kernel body that [`Simd::isolate`] runs out of line with `S`'s target features. Its `run`
+/// is `#[inline(always)]`, so the body compiles into the isolated function (a closure might stay
+/// out of line, and then its intrinsics would run without the features).
+pub(crate) trait Body<S> {
+    /// # Safety
+    /// The ISA of `S` is enabled; the body's own contract holds.
+    unsafe fn run(self);
+}
+
 /// One SIMD register of f32 lanes. All methods are `unsafe`: the caller guarantees that the CPU
 /// supports the ISA of the implementing type and that pointers are valid for `W` lanes.
 pub(crate) trait Simd: Copy {
@@ -69,6 +78,15 @@ pub(crate) trait Simd: Copy {
         unsafe { load_widened::<Self, i8>(p) }
     }
     unsafe fn store(p: *mut f32, v: Self::V);
+    /// Runs `body` as a function of its own, out of line, compiled with this ISA's target
+    /// features. A dispatch entry that inlines many kernel variants becomes one huge function,
+    /// which LLVM optimises slowly and on one thread (decode's were 200–380 KB of code each and
+    /// most of this crate's build time); isolated, each variant is a function LLVM handles apart
+    /// and in parallel codegen units. Costs one call per body.
+    ///
+    /// # Safety
+    /// The ISA of `Self` is enabled; `body`'s own contract holds.
+    unsafe fn isolate<B: Body<Self>>(body: B);
     /// `a * b + c`, fused where the ISA has it.
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
@@ -254,6 +272,11 @@ impl Simd for Portable {
     unsafe fn store(p: *mut f32, v: [f32; 8]) {
         // SAFETY: the caller guarantees 8 writable lanes at `p`.
         unsafe { core::ptr::write_unaligned(p as *mut [f32; 8], v) }
+    }
+    #[inline(never)]
+    unsafe fn isolate<B: Body<Self>>(body: B) {
+        // SAFETY: forwarded contract (the portable path needs no feature).
+        unsafe { body.run() }
     }
     #[inline(always)]
     unsafe fn fma(a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {

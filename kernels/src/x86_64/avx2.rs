@@ -1,6 +1,6 @@
 //! AVX2 + FMA: 8 f32 lanes in a `__m256`.
 
-use crate::simd::{Simd, SimdDiv};
+use crate::simd::{Body, Simd, SimdDiv};
 use core::arch::x86_64::*;
 
 /// Token for the AVX2+FMA path (with F16C, which every AVX2 CPU has). Only use inside a
@@ -63,6 +63,17 @@ impl Simd for Avx2 {
     unsafe fn store(p: *mut f32, v: __m256) {
         // SAFETY: see the impl comment.
         unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn isolate<B: Body<Self>>(body: B) {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline(never)]
+        unsafe fn isolated<B: Body<Avx2>>(body: B) {
+            // SAFETY: forwarded contract.
+            unsafe { body.run() }
+        }
+        // SAFETY: the ISA is enabled (the impl comment); forwarded contract.
+        unsafe { isolated(body) }
     }
     #[inline(always)]
     unsafe fn set_first(v: __m256, n: usize, x: f32) -> __m256 {

@@ -1,6 +1,6 @@
 //! AVX-512F: 16 f32 lanes in a `__m512`.
 
-use crate::simd::{Simd, SimdDiv};
+use crate::simd::{Body, Simd, SimdDiv};
 use core::arch::x86_64::*;
 
 /// Token for the AVX-512F path. Only use inside a `#[target_feature(enable = "avx512f")]` fn.
@@ -62,6 +62,17 @@ impl Simd for Avx512 {
     unsafe fn store(p: *mut f32, v: __m512) {
         // SAFETY: see the impl comment.
         unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn isolate<B: Body<Self>>(body: B) {
+        #[target_feature(enable = "avx512f")]
+        #[inline(never)]
+        unsafe fn isolated<B: Body<Avx512>>(body: B) {
+            // SAFETY: forwarded contract.
+            unsafe { body.run() }
+        }
+        // SAFETY: the ISA is enabled (the impl comment); forwarded contract.
+        unsafe { isolated(body) }
     }
     #[inline(always)]
     unsafe fn set_first(v: __m512, n: usize, x: f32) -> __m512 {
