@@ -74,7 +74,7 @@ mod sdpa;
 pub mod unfused;
 mod view;
 
-pub use attnkit_kernels::{bf16, f16, Dtype, Elem, Isa, IsaError, Operand, Stored};
+pub use attnkit_kernels::{bf16, f16, Dtype, Elem, Isa, IsaError, Operand, Precision, Stored};
 pub use backward::{
     bias_gradient, sdpa_backward, sdpa_backward_vec, sinks_gradient, Gradients, Saved,
 };

@@ -1,6 +1,6 @@
 //! Options of [`crate::sdpa`]: scale, causal alignment, masks, key lengths, ISA and parallelism.
 
-use attnkit_kernels::Isa;
+use attnkit_kernels::{Isa, Precision};
 
 /// Causal masking and how it is aligned when `Lq ≠ Lk`.
 ///
@@ -225,6 +225,14 @@ pub struct SdpaOptions<'a> {
     pub isa: Option<Isa>,
     /// Threading.
     pub par: Par,
+    /// How the prefill kernel multiplies f32 Q, K and V (PyTorch's
+    /// `torch.set_float32_matmul_precision`): [`Precision::Medium`] rounds them to bf16 and runs
+    /// the bf16 pair products where the ISA has them ([`Isa::Avx512Bf16`], [`Isa::Amx`]) and
+    /// `D` is even, else the f32 products. With [`SdpaOptions::isa`] forced to an ISA without
+    /// bf16 products, `Medium` is an error rather than a silent f32 run. No effect on 16-bit
+    /// operands, the decode kernel (bound by reading K and V, not by products), paged caches
+    /// and the unfused kernel.
+    pub precision: Precision,
 }
 
 impl<'a> SdpaOptions<'a> {
@@ -296,6 +304,11 @@ impl<'a> SdpaOptions<'a> {
     /// Forces a kernel.
     pub fn kernel(mut self, kernel: Kernel) -> Self {
         self.kernel = kernel;
+        self
+    }
+    /// Sets the precision of f32 products ([`Precision::Medium`]: bf16 products).
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
         self
     }
     /// Forces an instruction set.

@@ -7,7 +7,9 @@ use crate::error::{AttnError, Result};
 use crate::exec::resolve_isa;
 use crate::options::{Causal, Extras, Kernel, KeyLengths, MaskRef, SdpaOptions};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::{visible_range, Alibi, Dtype, Elem, Isa, KvPages, ScoreSpec, Stored};
+use attnkit_kernels::{
+    visible_range, Alibi, Dtype, Elem, Isa, KvPages, Precision, ScoreSpec, Stored,
+};
 
 /// Whether [`Kernel::Auto`] picks the decode kernel for `lq` queries against `lk` keys. The
 /// decode kernel reads K and V once per GQA group but pays a reduction per (row, key); the tiled
@@ -165,6 +167,8 @@ pub(crate) struct PagesPlan {
 
 pub(crate) struct Plan<Q = f32, KV = f32, O = f32> {
     pub(crate) isa: Isa,
+    /// Of the prefill kernel's products (see [`SdpaOptions::precision`]).
+    pub(crate) precision: Precision,
     pub(crate) shape: Shape,
     pub(crate) scale: f32,
     pub(crate) causal: Option<Causal>,
@@ -388,6 +392,18 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
     ) -> Result<Self> {
         let extras_weights = extras.weights.is_some();
         let isa = resolve_isa(opts.isa)?;
+        let f32s = Q::DTYPE == Dtype::F32 && KV::DTYPE == Dtype::F32;
+        if opts.precision == Precision::Medium
+            && f32s
+            && opts.isa.is_some()
+            && !matches!(isa, Isa::Avx512Bf16 | Isa::Amx)
+        {
+            return Err(AttnError::BadParam {
+                arg: "precision",
+                reason: "Precision::Medium needs bf16 products (Isa::Avx512Bf16 or Isa::Amx); \
+                         the ISA forced in `isa` has none",
+            });
+        }
         let [b, hq, lq, d] = q.shape;
         let [_, hkv, lk, _] = k.shape;
         let dv = v.shape[3];
@@ -524,6 +540,7 @@ impl<Q: Elem, KV: Stored, O: Elem> Plan<Q, KV, O> {
         }
         Ok(Plan {
             isa,
+            precision: opts.precision,
             shape,
             scale,
             causal: opts.causal,

@@ -8,7 +8,7 @@ use crate::plan::{off, Plan};
 use crate::scratch::{run_tasks_scratch, try_with_scratch};
 use crate::view::store_rounded;
 use attnkit_kernels::{
-    flash_forward_as, scratch_len_as, scratch_len_paged, Dtype, Elem, FlashArgs, Stored,
+    flash_forward_with, scratch_len_paged, scratch_len_with, Dtype, Elem, FlashArgs, Stored,
 };
 
 /// Query rows per task: enough to amortise packing each K/V block, few enough that long
@@ -89,7 +89,7 @@ fn task_scratch_len<Q: Elem, KV: Stored, O: Elem>(p: &Plan<Q, KV, O>, m: usize) 
     let kernel = if p.pages.is_some() {
         scratch_len_paged::<Q, KV>(m, s.d, s.dv)
     } else {
-        scratch_len_as::<Q, KV>(m, s.d, s.dv)
+        scratch_len_with::<Q, KV>(m, s.d, s.dv, p.precision)
     };
     kernel.saturating_add(staged)
 }
@@ -159,8 +159,8 @@ fn task<Q: Elem, KV: Stored, O: Elem>(
     };
     // SAFETY: `args` describes validated, in-bounds extents; this task's output rows (out,
     // lse, weights) are disjoint from every other task's; the ISA was checked.
-    // (One flash instance serves every element type: `flash_forward_as` only erases them.)
-    unsafe { flash_forward_as(p.isa, &args, scratch) }
+    // (One flash instance serves every element type: `flash_forward_with` only erases them.)
+    unsafe { flash_forward_with(p.isa, &args, scratch, p.precision) }
     if O::DTYPE != Dtype::F32 {
         for r in 0..m {
             // SAFETY: row `row0 + r` of this task's output view (validated, disjoint from

@@ -5,8 +5,8 @@ use attnkit::kernels::reference;
 use attnkit::unfused::{sdpa_unfused_with, Backend};
 use attnkit::{
     bf16, choose_kernel, f16, sdpa, sdpa_backward_vec, sdpa_ext, sdpa_int8, AlignedBuf, Causal,
-    Dtype, Elem, Extras, Isa, Kernel, Operand, PagedKvCache, Saved, SdpaOptions, SeqId, Stored,
-    Tensor, TensorMut,
+    Dtype, Elem, Extras, Isa, Kernel, Operand, PagedKvCache, Precision, Saved, SdpaOptions, SeqId,
+    Stored, Tensor, TensorMut,
 };
 
 /// Inputs of one case, dense `(B, H, L, D)`, filled from a fixed seed, each buffer starting on a
@@ -338,6 +338,8 @@ pub struct Modifiers {
     pub kv_dtype: Option<Dtype>,
     /// Tokens per page of `fused-paged`'s cache (`--paged`).
     pub paged: Option<usize>,
+    /// Products of our prefill kernel on f32 operands (`--precision`).
+    pub precision: Precision,
 }
 
 static MODIFIERS: std::sync::Mutex<Modifiers> = std::sync::Mutex::new(Modifiers {
@@ -347,6 +349,7 @@ static MODIFIERS: std::sync::Mutex<Modifiers> = std::sync::Mutex::new(Modifiers 
     dtype: Dtype::F32,
     kv_dtype: None,
     paged: None,
+    precision: Precision::Highest,
 });
 
 /// The modifiers, for the argument parser to set.
@@ -371,6 +374,10 @@ pub fn modifiers_tag(imp: &str) -> String {
         (m.sinks, "+sinks"),
         (imp.starts_with("fused") && m.dtype == Dtype::Bf16, "+bf16"),
         (imp.starts_with("fused") && m.dtype == Dtype::F16, "+f16"),
+        (
+            imp.starts_with("fused") && m.precision == Precision::Medium,
+            "+medium",
+        ),
     ] {
         if on {
             t.push_str(name);
@@ -424,7 +431,7 @@ fn options(case: &Case, isa: Isa) -> SdpaOptions<'static> {
     if m.sinks {
         o = o.sinks(sinks);
     }
-    o
+    o.precision(m.precision)
 }
 
 /// `attnkit::sdpa`: the fused kernels on the current rayon pool, the path chosen from the shape

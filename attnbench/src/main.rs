@@ -20,7 +20,7 @@ mod peak;
 mod plot;
 mod report;
 
-use attnkit::Isa;
+use attnkit::{Isa, Precision};
 use cases::Case;
 use impls::{Impl, Inputs};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -69,6 +69,9 @@ RUN
   --dtype T           f32 | bf16 | f16: Q, K, V of our fused kernels in T (output f32); the
                       inputs are rounded to T for every implementation, so all compute on the
                       same values (tags fused+bf16 / fused+f16)
+  --precision P       highest | medium: with medium, f32 Q, K, V of our prefill kernel are
+                      rounded to bf16 and multiplied as bf16 pairs where the ISA has them
+                      (avx512bf16, amx; PyTorch's set_float32_matmul_precision); tag +medium
   --kv-dtype T        K and V of our fused kernels in T (f32 | bf16 | f16 | int8), Q staying
                       in --dtype (a 16-bit KV cache with f32 queries: --kv-dtype bf16; tag
                       fused+kv-bf16); int8 quantises each (token, head) row with its own f32
@@ -243,6 +246,17 @@ fn parse_args(args: Vec<String>) -> Result<Option<Config>, String> {
             "--alibi" => impls::modifiers_mut().alibi = true,
             "--softcap" => impls::modifiers_mut().softcap = Some(num(value(&mut it)?)? as f32),
             "--sinks" => impls::modifiers_mut().sinks = true,
+            "--precision" => {
+                impls::modifiers_mut().precision = match value(&mut it)?.as_str() {
+                    "highest" => Precision::Highest,
+                    "medium" => Precision::Medium,
+                    p => {
+                        return Err(format!(
+                            "--precision: expected highest or medium, got {p:?}"
+                        ))
+                    }
+                }
+            }
             "--dtype" => impls::modifiers_mut().dtype = dtype("--dtype", &value(&mut it)?, false)?,
             "--kv-dtype" => {
                 impls::modifiers_mut().kv_dtype = Some(dtype("--kv-dtype", &value(&mut it)?, true)?)

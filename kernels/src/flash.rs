@@ -121,6 +121,33 @@ pub fn scratch_len_paged<Q: Elem, KV: Stored>(m: usize, d: usize, dv: usize) -> 
     Layout::new(m, d, dv, Operands::of::<Q, KV>(true)).total()
 }
 
+/// [`scratch_len_as`] for [`crate::flash_forward_with`] at `precision` (contiguous K and V).
+pub fn scratch_len_with<Q: Elem, KV: Stored>(
+    m: usize,
+    d: usize,
+    dv: usize,
+    precision: Precision,
+) -> usize {
+    Layout::new(m, d, dv, Operands::of::<Q, KV>(false).at(precision)).total()
+}
+
+/// How the fused kernel multiplies f32 operands (PyTorch's `torch.set_float32_matmul_precision`).
+/// 16-bit and int8 operands are not affected.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Precision {
+    /// f32 products: the f32 kernel, at its usual accuracy (the default).
+    #[default]
+    Highest,
+    /// Q, K and V all f32 are rounded to bf16 (nearest even) a block at a time and multiplied
+    /// as bf16 pairs ([`crate::FlashPath::Bf16Pairs`]: exact products, f32 sums, the softmax
+    /// weights rounded to bf16 for `P·V`), where the ISA has them ([`crate::Isa::Avx512Bf16`],
+    /// [`crate::Isa::Amx`]), `d` is even and K and V are contiguous; elsewhere f32 products.
+    /// The result is bitwise that of bf16 inputs holding the rounded values, about 2⁻⁹ relative
+    /// error per operand: PyTorch's `"medium"`.
+    Medium,
+}
+
 /// Lengths of the kernel's scratch buffers (see [`forward_with`]), each a lane multiple: the
 /// state every path shares, then the larger of the two paths' own buffers (one at a time uses
 /// them).
@@ -139,9 +166,9 @@ impl Layout {
     fn new(m: usize, d: usize, dv: usize, ops: Operands) -> Self {
         let mp = round_up(m, 16);
         // Enough for every ISA: the pair buffers wherever some ISA would run the pair path.
-        let pairs = crate::flash_path(crate::Isa::Avx512Bf16, ops.q, ops.kv, d);
+        let pairs = ops.path(crate::Isa::Avx512Bf16, d);
         let pairs = if pairs == crate::FlashPath::Bf16Pairs {
-            PairLens::new(mp, d, dv).total()
+            PairLens::new(mp, d, dv, ops).total()
         } else {
             0
         };
@@ -199,29 +226,40 @@ impl WideLens {
 }
 
 /// Buffer lengths of the bf16 pair path, in 32-bit units (one unit = one pair of bf16): Q̂ᵀ
-/// (`⌈d/2⌉ × mp`), Pᵀ (`⌈nb/2⌉ × mp`) and V (`⌈nb/2⌉ × dv`) in pairs along their reduction; and
-/// for the tile path (`x86_64::amx`, which shares them) one key tile of 16 rows of `d` bf16.
+/// (`⌈d/2⌉ × mp`), Pᵀ (`⌈nb/2⌉ × mp`) and V (`⌈nb/2⌉ × dv`) in pairs along their reduction; for
+/// f32 operands rounded to bf16 ([`Precision::Medium`]) the rounded Q rows (`mp × d`) and K
+/// block (`nb × d`); and for the tile path (`x86_64::amx`, which shares them) one key tile of
+/// 16 rows of `d` bf16.
 #[derive(Clone, Copy)]
 pub(crate) struct PairLens {
     pub(crate) qp: usize,
     pub(crate) pp: usize,
     pub(crate) vp: usize,
+    pub(crate) qr: usize,
+    pub(crate) kr: usize,
     pub(crate) kt: usize,
 }
 
 impl PairLens {
-    pub(crate) fn new(mp: usize, d: usize, dv: usize) -> Self {
+    pub(crate) fn new(mp: usize, d: usize, dv: usize, ops: Operands) -> Self {
         let kb2 = key_block(d).div_ceil(2);
+        let d2 = d.div_ceil(2);
         PairLens {
-            qp: d.div_ceil(2).saturating_mul(mp),
+            qp: d2.saturating_mul(mp),
             pp: kb2 * mp,
             vp: round_up(dv, 16).saturating_mul(kb2),
+            qr: if ops.rounded {
+                d2.saturating_mul(mp)
+            } else {
+                0
+            },
+            kr: if ops.rounded { d2 * key_block(d) } else { 0 },
             kt: d.saturating_mul(8),
         }
     }
 
     fn total(&self) -> usize {
-        [self.qp, self.pp, self.vp, self.kt]
+        [self.qp, self.pp, self.vp, self.qr, self.kr, self.kt]
             .into_iter()
             .fold(0, usize::saturating_add)
     }
@@ -340,21 +378,50 @@ pub(crate) fn erase<Q: Elem, KV: Stored>(a: &FlashArgs<Q, KV>) -> (FlashArgs, Op
     (erased, Operands::of::<Q, KV>(!pages.is_contiguous()))
 }
 
-/// The element types behind an [`erase`]d argument set's `q` and its `k`, `v`, and whether K
-/// and V are read through a page table.
+/// The element types behind an [`erase`]d argument set's `q` and its `k`, `v`, whether K and V
+/// are read through a page table, and whether f32 operands may be rounded to bf16.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Operands {
     pub(crate) q: Dtype,
     pub(crate) kv: Dtype,
     pub(crate) paged: bool,
+    /// f32 Q, K and V (contiguous) rounded to bf16 for the pair products where an ISA has them
+    /// ([`Precision::Medium`]).
+    pub(crate) rounded: bool,
 }
 
 impl Operands {
-    fn of<Q: Elem, KV: Stored>(paged: bool) -> Self {
+    pub(crate) fn of<Q: Elem, KV: Stored>(paged: bool) -> Self {
         Operands {
             q: Q::DTYPE,
             kv: KV::DTYPE,
             paged,
+            rounded: false,
+        }
+    }
+
+    /// At `precision`: [`Precision::Medium`] rounds f32 operands read in place.
+    pub(crate) fn at(self, precision: Precision) -> Self {
+        let f32s = self.q == Dtype::F32 && self.kv == Dtype::F32;
+        Operands {
+            rounded: precision == Precision::Medium && f32s && !self.paged,
+            ..self
+        }
+    }
+
+    /// The products the kernel uses on `isa` for these operands and head dimension.
+    pub(crate) fn path(self, isa: crate::Isa, d: usize) -> crate::FlashPath {
+        use crate::{FlashPath, Isa};
+        if self.paged {
+            FlashPath::Widened
+        } else if self.rounded {
+            // bf16 pairs on every ISA with them: the tile kernel reads bf16 in place.
+            match isa {
+                Isa::Avx512Bf16 | Isa::Amx if d.is_multiple_of(2) => FlashPath::Bf16Pairs,
+                _ => FlashPath::Widened,
+            }
+        } else {
+            crate::flash_path(isa, self.q, self.kv, d)
         }
     }
 }

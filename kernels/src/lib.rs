@@ -40,7 +40,10 @@ pub use decode::{
     DECODE_KEY_BLOCK, DECODE_MAX_ROWS,
 };
 pub use elem::{Dtype, Elem, Stored};
-pub use flash::{key_block, scratch_len, scratch_len_as, scratch_len_paged, FlashArgs};
+pub use flash::{
+    key_block, scratch_len, scratch_len_as, scratch_len_paged, scratch_len_with, FlashArgs,
+    Precision,
+};
 pub use half::{bf16, f16};
 pub use heads::{merge_heads, split_heads};
 pub use isa::{Isa, IsaError};
@@ -96,11 +99,10 @@ isa_fn!(flash_widened(args: &FlashArgs, ops: flash::Operands, scratch: &mut [f32
 /// # Safety
 /// `isa.is_supported()` and the contract of `flash::forward`.
 unsafe fn flash_isa(isa: Isa, args: &FlashArgs, ops: flash::Operands, scratch: &mut [f32]) {
+    // Paged K and V take the widening path (the pair and tile paths read rows in place, it
+    // through the table).
     #[cfg(target_arch = "x86_64")]
-    match flash_path(isa, ops.q, ops.kv, args.d) {
-        // Paged K and V: the pair and tile paths read rows in place, the widening path through
-        // the table.
-        _ if ops.paged => {}
+    match ops.path(isa, args.d) {
         // SAFETY: forwarded contract; `Amx` is supported (AVX-512 BF16 too, and the tiles).
         FlashPath::AmxTiles => return unsafe { x86_64::amx::forward(args, ops, scratch) },
         // SAFETY: forwarded contract; `Avx512Bf16` is supported (AVX-512 F, BW, VL, BF16).
@@ -146,15 +148,31 @@ pub unsafe fn flash_forward_as<Q: Elem, KV: Stored>(
     args: &FlashArgs<Q, KV>,
     scratch: &mut [f32],
 ) {
+    // SAFETY: forwarded contract.
+    unsafe { flash_forward_with(isa, args, scratch, Precision::Highest) }
+}
+
+/// [`flash_forward_as`] at `precision`: with [`Precision::Medium`], f32 Q, K and V take the bf16
+/// pair products where `isa` has them (see [`flash_path_with`]).
+///
+/// # Safety
+/// As [`flash_forward_as`], with `scratch.len() ≥ scratch_len_with::<Q, KV>(m, d, dv,
+/// precision)` for contiguous K and V.
+pub unsafe fn flash_forward_with<Q: Elem, KV: Stored>(
+    isa: Isa,
+    args: &FlashArgs<Q, KV>,
+    scratch: &mut [f32],
+    precision: Precision,
+) {
     let need = if args.pages.is_contiguous() {
-        scratch_len_as::<Q, KV>(args.m, args.d, args.dv)
+        scratch_len_with::<Q, KV>(args.m, args.d, args.dv, precision)
     } else {
         scratch_len_paged::<Q, KV>(args.m, args.d, args.dv)
     };
     assert!(scratch.len() >= need, "flash scratch too short");
     let (args, ops) = flash::erase(args);
     // SAFETY: forwarded contract; `ops` names the types behind the erased pointers.
-    unsafe { flash_isa(isa, &args, ops, scratch) }
+    unsafe { flash_isa(isa, &args, ops.at(precision), scratch) }
 }
 
 /// How the fused kernel forms its products for an ISA and operand types (see [`flash_path`]).
@@ -164,7 +182,8 @@ pub enum FlashPath {
     /// f32 FMA tiles; 16-bit operands widened exactly, so the result is bitwise the f32
     /// kernel's on the widened values.
     Widened,
-    /// bf16 pairs multiplied by `vdpbf16ps` ([`Isa::Avx512Bf16`], Q, K, V in bf16, `d` even):
+    /// bf16 pairs multiplied by `vdpbf16ps` ([`Isa::Avx512Bf16`], Q, K, V in bf16, `d` even;
+    /// f32 Q, K, V rounded to bf16 at [`Precision::Medium`], there and on [`Isa::Amx`]):
     /// exact products and f32 sums as in f32, but the softmax weights are rounded to bf16 for
     /// `P·V`, so each output differs from the f32 result by at most `2⁻⁸·Σⱼ pⱼ·|vⱼ|` (plus f32
     /// rounding), the rounding PyTorch's bf16 attention applies too. The logsumexp and the
@@ -181,6 +200,19 @@ impl FlashPath {
     pub fn rounds_weights(self) -> bool {
         self != FlashPath::Widened
     }
+}
+
+/// [`flash_path`] at `precision` (contiguous K and V): [`Precision::Medium`] gives
+/// [`FlashPath::Bf16Pairs`] for f32 Q, K and V on [`Isa::Avx512Bf16`] and [`Isa::Amx`] (whose
+/// tile kernel reads bf16 in place) when `d` is even.
+pub fn flash_path_with(isa: Isa, q: Dtype, kv: Dtype, d: usize, precision: Precision) -> FlashPath {
+    let ops = flash::Operands {
+        q,
+        kv,
+        paged: false,
+        rounded: false,
+    };
+    ops.at(precision).path(isa, d)
 }
 
 /// The products [`flash_forward_as`] uses on `isa` for Q of type `q`, K and V of type `kv`, and

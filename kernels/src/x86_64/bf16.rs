@@ -14,6 +14,10 @@
 //!   a relative 2⁻⁹ per weight, the bf16 rounding PyTorch's bf16 attention applies too.
 //!
 //! The rest of the kernel (masks, the online softmax in f32, the output) is the shared one.
+//!
+//! f32 operands ([`crate::Precision::Medium`]) are rounded to bf16 as they are packed: Q once
+//! per query block, K and V a key block at a time (K into a buffer, since bf16 K is otherwise
+//! read in place), so the result is bitwise that of bf16 inputs holding the rounded values.
 
 use crate::flash::{forward_on, key_block, FlashArgs, Operands, PairLens, Products};
 use crate::gemm::{gemm, Accum, Epilogue, Mac, Plain, Scaled};
@@ -31,12 +35,13 @@ const NV: usize = 3;
 /// The fused kernel on bf16 pairs.
 ///
 /// # Safety
-/// As `flash::forward`; [`crate::flash_path`] is `Bf16Pairs` for these operands (Q, K, V bf16,
-/// `d` even: K's pairs are then whole within its rows); the CPU has AVX-512 F, BW, VL and BF16.
+/// As `flash::forward`; `ops.path` is `Bf16Pairs` for these operands (Q, K, V bf16, or f32 to
+/// round; `d` even: K's pairs are then whole within its rows); the CPU has AVX-512 F, BW, VL
+/// and BF16.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(crate) unsafe fn forward(a: &FlashArgs, ops: Operands, scratch: &mut [f32]) {
     debug_assert_eq!(
-        crate::flash_path(crate::Isa::Avx512Bf16, ops.q, ops.kv, a.d),
+        ops.path(crate::Isa::Avx512Bf16, a.d),
         crate::FlashPath::Bf16Pairs
     );
     // SAFETY: forwarded contract; the features `Pairs` uses are enabled here.
@@ -101,6 +106,36 @@ unsafe fn pair_gemm<F: Epilogue>(
     }
 }
 
+/// What V's pairs are packed from: 16 values at a time as 16 bf16 words.
+trait Bf16Source {
+    /// The values of lanes set in `k` at `p` as bf16 (f32 rounded to nearest even), the others
+    /// zero.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, BF16 enabled; the lanes set in `k` readable at `p`.
+    unsafe fn load16(k: u16, p: *const Self) -> __m256i;
+}
+
+impl Bf16Source for bf16 {
+    #[inline(always)]
+    unsafe fn load16(k: u16, p: *const bf16) -> __m256i {
+        // SAFETY: forwarded contract.
+        unsafe { _mm256_maskz_loadu_epi16(k, p.cast()) }
+    }
+}
+
+impl Bf16Source for f32 {
+    #[inline(always)]
+    unsafe fn load16(k: u16, p: *const f32) -> __m256i {
+        // SAFETY: forwarded contract; the conversion is register-only (masked-off lanes are
+        // +0.0, which rounds to the bf16 zero).
+        unsafe {
+            let x = _mm512_maskz_loadu_ps(k, p);
+            core::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x))
+        }
+    }
+}
+
 /// The pair buffers (see the module docs), carved from the kernel's scratch.
 pub(crate) struct Pairs<'s> {
     /// Q̂ᵀ in pairs: `d/2` rows of `mp` units.
@@ -114,6 +149,11 @@ pub(crate) struct Pairs<'s> {
     dvp: usize,
     /// The scores' factor (see [`Products::queries`]).
     pub(crate) qscale: f32,
+    /// f32 Q, K and V, rounded to bf16 here: Q's rows (`m × d`) and the current K block
+    /// (`nb × d`) in bf16; empty for bf16 operands.
+    rounded: bool,
+    qr: &'s mut [f32],
+    kr: &'s mut [f32],
 }
 
 impl<'s> Pairs<'s> {
@@ -124,14 +164,16 @@ impl<'s> Pairs<'s> {
     /// The buffers, and the one the tile path pads a key tile in (`PairLens::kt`).
     pub(crate) fn new_with_tail(
         a: &FlashArgs,
-        _ops: Operands,
+        ops: Operands,
         mp: usize,
         rest: &'s mut [f32],
     ) -> (Self, &'s mut [f32]) {
-        let lens = PairLens::new(mp, a.d, a.dv);
+        let lens = PairLens::new(mp, a.d, a.dv, ops);
         let (qp, rest) = rest.split_at_mut(lens.qp);
         let (pp, rest) = rest.split_at_mut(lens.pp);
         let (vp, rest) = rest.split_at_mut(lens.vp);
+        let (qr, rest) = rest.split_at_mut(lens.qr);
+        let (kr, rest) = rest.split_at_mut(lens.kr);
         let kt = &mut rest[..lens.kt];
         let pairs = Pairs {
             qp,
@@ -139,6 +181,9 @@ impl<'s> Pairs<'s> {
             vp,
             dvp: a.dv.div_ceil(16) * 16,
             qscale: 1.0,
+            rounded: ops.rounded,
+            qr,
+            kr,
         };
         (pairs, kt)
     }
@@ -187,7 +232,22 @@ impl<'s> Pairs<'s> {
     /// AVX-512 F, BW, VL enabled; V rows `< j0 + nb` readable at `dv` columns.
     #[inline(always)]
     unsafe fn pack_v(&mut self, a: &FlashArgs, j0: usize, nb: usize) {
-        let v = a.v.cast::<bf16>();
+        if self.rounded {
+            // SAFETY: forwarded contract; V is f32 here.
+            unsafe { self.pack_v_from::<f32>(a, j0, nb) }
+        } else {
+            // SAFETY: forwarded contract; V is bf16 here.
+            unsafe { self.pack_v_from::<bf16>(a, j0, nb) }
+        }
+    }
+
+    /// [`Pairs::pack_v`] from V of type `E` (bf16, or f32 rounded to bf16).
+    ///
+    /// # Safety
+    /// As [`Pairs::pack_v`]; V holds `E`.
+    #[inline(always)]
+    unsafe fn pack_v_from<E: Bf16Source>(&mut self, a: &FlashArgs, j0: usize, nb: usize) {
+        let v = a.v.cast::<E>();
         let vp = self.vp.as_mut_ptr().cast::<i32>();
         // SAFETY: loads are masked to the `dv` columns of rows `< j0 + nb`; stores stay inside
         // `vp` (`⌈nb/2⌉` rows of `dvp`).
@@ -197,15 +257,34 @@ impl<'s> Pairs<'s> {
                 let odd = (2 * jp + 1 < nb).then(|| even.add(a.ldv));
                 for c in (0..a.dv).step_by(16) {
                     let k = (1u32 << (a.dv - c).min(16)).wrapping_sub(1) as u16;
-                    let lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, even.add(c).cast()));
+                    let lo = _mm512_cvtepu16_epi32(E::load16(k, even.add(c)));
                     let pair = match odd {
                         Some(o) => {
-                            let hi = _mm256_maskz_loadu_epi16(k, o.add(c).cast());
+                            let hi = E::load16(k, o.add(c));
                             _mm512_or_si512(lo, _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)))
                         }
                         None => lo,
                     };
                     _mm512_storeu_si512(vp.add(jp * self.dvp + c).cast(), pair);
+                }
+            }
+        }
+    }
+
+    /// Rows `< rows` of f32 at `src` (stride `lds`, `cols` wide) rounded into dense rows of
+    /// `cols` bf16 at `dst`.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, BF16 enabled; `src` readable and `dst` writable at those extents.
+    #[inline(always)]
+    unsafe fn round_rows(src: *const f32, lds: usize, rows: usize, cols: usize, dst: *mut bf16) {
+        // SAFETY: masked loads and stores stay within each row's `cols` elements.
+        unsafe {
+            for r in 0..rows {
+                let (s, t) = (src.add(r * lds), dst.add(r * cols));
+                for c in (0..cols).step_by(16) {
+                    let k = (1u32 << (cols - c).min(16)).wrapping_sub(1) as u16;
+                    _mm256_mask_storeu_epi16(t.add(c).cast(), k, f32::load16(k, s.add(c)));
                 }
             }
         }
@@ -219,12 +298,19 @@ impl Products<Avx512> for Pairs<'_> {
         let (m, dp) = (a.m, a.d / 2);
         // Q's rows as 32-bit units (pairs), transposed into `qp` (`dp × mp`): 8×8 blocks of
         // shuffles (bit moves only, so every pattern survives), the edges one unit at a time,
-        // the padding lanes zero.
-        let q = a.q.cast::<bf16>();
+        // the padding lanes zero. f32 Q is rounded into `qr` first (rows of `d`).
+        let (q, ldq) = if self.rounded {
+            let qr = self.qr.as_mut_ptr().cast::<bf16>();
+            // SAFETY: Q rows `< m` of `d` f32; `qr` holds `mp × d` bf16.
+            unsafe { Self::round_rows(a.q, a.ldq, m, a.d, qr) };
+            (qr.cast_const(), a.d)
+        } else {
+            (a.q.cast::<bf16>(), a.ldq)
+        };
         let qp = self.qp.as_mut_ptr();
         // SAFETY: Q rows `< m` hold `d = 2·dp` elements at stride `ldq`; `qp` holds `dp × mp`.
         unsafe {
-            let unit = |r: usize, p: usize| q.add(r * a.ldq + 2 * p).cast::<f32>();
+            let unit = |r: usize, p: usize| q.add(r * ldq + 2 * p).cast::<f32>();
             let (m8, p8) = (m / 8 * 8, dp / 8 * 8);
             for r0 in (0..m8).step_by(8) {
                 for p0 in (0..p8).step_by(8) {
@@ -262,13 +348,21 @@ impl Products<Avx512> for Pairs<'_> {
         // SAFETY: keys `< j0 + nb ≤ n` of K (pairs whole: `d` even) and V; the buffers hold
         // the block; the features are enabled (`forward`).
         unsafe {
+            // f32 K is rounded a key block at a time (each call has its own block).
+            let (k, ldk) = if self.rounded {
+                let kr = self.kr.as_mut_ptr().cast::<bf16>();
+                Self::round_rows(a.k.add(j0 * a.ldk), a.ldk, nb, a.d, kr);
+                (kr.cast_const(), a.d)
+            } else {
+                (a.k.cast::<bf16>().add(j0 * a.ldk), a.ldk)
+            };
             pair_gemm(
                 nb,
                 nv,
                 a.d / 2,
                 SCORE_PAIRS,
-                a.k.cast::<bf16>().add(j0 * a.ldk),
-                a.ldk,
+                k,
+                ldk,
                 2,
                 self.qp.as_ptr().cast::<u32>().add(lanes),
                 mp,
