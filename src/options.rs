@@ -227,9 +227,10 @@ pub struct SdpaOptions<'a> {
     pub par: Par,
     /// How the prefill kernel multiplies f32 Q, K and V (PyTorch's
     /// `torch.set_float32_matmul_precision`): [`Precision::Medium`] rounds them to bf16 and runs
-    /// the bf16 pair products where the ISA has them ([`Isa::Avx512Bf16`], [`Isa::Amx`]) and
-    /// `D` is even, else the f32 products. With [`SdpaOptions::isa`] forced to an ISA without
-    /// bf16 products, `Medium` is an error rather than a silent f32 run. No effect on 16-bit
+    /// the bf16 pair products on [`Isa::Avx512Bf16`] (the default on AMD CPUs that have it)
+    /// when `D` is even, else the f32 products ([`Isa::Amx`] too: see [`Precision::Medium`]).
+    /// With [`SdpaOptions::isa`] forced to an ISA without bf16 products (neither of those two),
+    /// `Medium` is an error rather than a silent f32 run. No effect on 16-bit
     /// operands, the decode kernel (bound by reading K and V, not by products), paged caches
     /// and the unfused kernel.
     pub precision: Precision,

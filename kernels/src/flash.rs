@@ -141,8 +141,10 @@ pub enum Precision {
     Highest,
     /// Q, K and V all f32 are rounded to bf16 (nearest even) a block at a time and multiplied
     /// as bf16 pairs ([`crate::FlashPath::Bf16Pairs`]: exact products, f32 sums, the softmax
-    /// weights rounded to bf16 for `P·V`), where the ISA has them ([`crate::Isa::Avx512Bf16`],
-    /// [`crate::Isa::Amx`]), `d` is even and K and V are contiguous; elsewhere f32 products.
+    /// weights rounded to bf16 for `P·V`) on [`crate::Isa::Avx512Bf16`], `d` even and K and V
+    /// contiguous; elsewhere f32 products. [`crate::Isa::Amx`] keeps the f32 products: its tile
+    /// kernel does not round f32 operands, and the pair kernel runs at 0.57–0.69× the f32
+    /// kernel on Intel cores (BENCHMARKS.md).
     /// The result is bitwise that of bf16 inputs holding the rounded values, about 2⁻⁹ relative
     /// error per operand: PyTorch's `"medium"`.
     Medium,
@@ -415,9 +417,9 @@ impl Operands {
         if self.paged {
             FlashPath::Widened
         } else if self.rounded {
-            // bf16 pairs on every ISA with them: the tile kernel reads bf16 in place.
+            // Not on `Amx` (see `Precision::Medium`).
             match isa {
-                Isa::Avx512Bf16 | Isa::Amx if d.is_multiple_of(2) => FlashPath::Bf16Pairs,
+                Isa::Avx512Bf16 if d.is_multiple_of(2) => FlashPath::Bf16Pairs,
                 _ => FlashPath::Widened,
             }
         } else {

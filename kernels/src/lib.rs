@@ -183,7 +183,7 @@ pub enum FlashPath {
     /// kernel's on the widened values.
     Widened,
     /// bf16 pairs multiplied by `vdpbf16ps` ([`Isa::Avx512Bf16`], Q, K, V in bf16, `d` even;
-    /// f32 Q, K, V rounded to bf16 at [`Precision::Medium`], there and on [`Isa::Amx`]):
+    /// f32 Q, K, V rounded to bf16 at [`Precision::Medium`]):
     /// exact products and f32 sums as in f32, but the softmax weights are rounded to bf16 for
     /// `P·V`, so each output differs from the f32 result by at most `2⁻⁸·Σⱼ pⱼ·|vⱼ|` (plus f32
     /// rounding), the rounding PyTorch's bf16 attention applies too. The logsumexp and the
@@ -203,8 +203,7 @@ impl FlashPath {
 }
 
 /// [`flash_path`] at `precision` (contiguous K and V): [`Precision::Medium`] gives
-/// [`FlashPath::Bf16Pairs`] for f32 Q, K and V on [`Isa::Avx512Bf16`] and [`Isa::Amx`] (whose
-/// tile kernel reads bf16 in place) when `d` is even.
+/// [`FlashPath::Bf16Pairs`] for f32 Q, K and V on [`Isa::Avx512Bf16`] when `d` is even.
 pub fn flash_path_with(isa: Isa, q: Dtype, kv: Dtype, d: usize, precision: Precision) -> FlashPath {
     let ops = flash::Operands {
         q,
