@@ -16,10 +16,11 @@ use common::{isas, lh, randn};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-/// `(B, Hq, Hkv, Lq, Lk, D, Dv)`, D even: one row and one key; GQA with odd sizes; D and Dv
-/// tails; several key blocks; one query block of more than 96 rows.
-const SHAPES: [[usize; 7]; 6] = [
+/// `(B, Hq, Hkv, Lq, Lk, D, Dv)`, D even: one row and one key; D = 0 (V still read, rounded);
+/// GQA with odd sizes; D and Dv tails; several key blocks; one query block of more than 96 rows.
+const SHAPES: [[usize; 7]; 7] = [
     [1, 1, 1, 1, 1, 2, 1],
+    [1, 2, 1, 3, 5, 0, 4],
     [2, 4, 2, 7, 13, 6, 3],
     [1, 2, 2, 33, 70, 64, 64],
     [2, 3, 1, 17, 17, 24, 40],
