@@ -16,10 +16,10 @@
 //! thread count. The alternative to the second pass, per-key-block partial dQ, costs memory
 //! proportional to `Lk/block · Lq · D` per head.
 //!
-//! **Memory.** Besides the gradients: `D` (one f32 per query row), Kᵀ and Vᵀ packed per key
-//! block (about K and V again), lane-padded copies of K, Q and dO when `D` or `Dv` is not a
-//! multiple of the vector width, and per task two `128 × 128` tiles plus `128 × (D + Dv)`
-//! accumulators. Never `Lq × Lk`.
+//! **Memory.** Besides the gradients: `D` (one f32 per query row), lane-padded copies of K, Q
+//! and dO when `D` or `Dv` is not a multiple of the vector width, and per task two `128 × 128`
+//! tiles, `128 × (2D + Dv)` accumulators and the Kᵀ and Vᵀ of its key block (`128 × (D + Dv)`);
+//! at `D = Dv = 128`, 320 KiB a task. Never `Lq × Lk`.
 
 use crate::alloc::{checked_len, try_zeros};
 use crate::error::{AttnError, Result};
@@ -505,7 +505,8 @@ fn sinks_gradient_f32(saved: &Saved, dout: &Tensor, opts: &SdpaOptions) -> Resul
 
 /// A task's scratch: the probabilities and dP/dS tiles (`BLOCK²` each, row stride `BLOCK`), the
 /// dK and dV accumulators (`BLOCK × Dp`, `BLOCK × Dvp`: widths rounded up to whole vectors, as
-/// the micro-kernel writes them) and one `BLOCK × Dp` product of `dS·K`.
+/// the micro-kernel writes them), one `BLOCK × Dp` product of `dS·K`, and the Kᵀ and Vᵀ of the
+/// key block at hand (`D × BLOCK`, `Dv × BLOCK`: [`Bwd::pack_block`]).
 struct Scratch {
     buf: Vec<f32>,
     dp: usize,
@@ -515,8 +516,8 @@ struct Scratch {
 impl Scratch {
     fn len(dp: usize, dvp: usize) -> usize {
         (2 * BLOCK * BLOCK)
-            .saturating_add(BLOCK.saturating_mul(dp).saturating_mul(2))
-            .saturating_add(BLOCK.saturating_mul(dvp))
+            .saturating_add(BLOCK.saturating_mul(dp).saturating_mul(3))
+            .saturating_add(BLOCK.saturating_mul(dvp).saturating_mul(2))
     }
     fn new(dp: usize, dvp: usize) -> Result<Self> {
         Ok(Scratch {
@@ -530,35 +531,46 @@ impl Scratch {
         let (p, rest) = self.buf.split_at_mut(BLOCK * BLOCK);
         let (ds, rest) = rest.split_at_mut(BLOCK * BLOCK);
         let (acc_k, rest) = rest.split_at_mut(BLOCK * self.dp);
-        let (acc_v, dsk) = rest.split_at_mut(BLOCK * self.dvp);
+        let (acc_v, rest) = rest.split_at_mut(BLOCK * self.dvp);
+        let (dsk, rest) = rest.split_at_mut(BLOCK * self.dp);
+        let (kt, vt) = rest.split_at_mut(BLOCK * self.dp);
         Tiles {
             p,
             ds,
             acc_k,
             acc_v,
             dsk,
+            kv: KvBlock { kt, vt },
         }
     }
 }
 
-/// [`Scratch`] split: `P`, `dS` (row stride `BLOCK`), the dK and dV accumulators, `dS·K`.
+/// [`Scratch`] split: `P`, `dS` (row stride `BLOCK`), the dK and dV accumulators, `dS·K`, the
+/// packed key block.
 struct Tiles<'a> {
     p: &'a mut [f32],
     ds: &'a mut [f32],
     acc_k: &'a mut [f32],
     acc_v: &'a mut [f32],
     dsk: &'a mut [f32],
+    kv: KvBlock<'a>,
 }
 
-/// The tile products' operands in the layouts the micro-kernel reads ([`tile_gemm`]: B
-/// row-major and whole vectors wide): Kᵀ and Vᵀ of every key block, transposed once for all the
-/// query tiles that read them, and lane-padded copies of K, Q and dO where `D` or `Dv` is not a
-/// multiple of the vector width (else they are read in place). Memory: about K and V again.
+/// Kᵀ and Vᵀ of one key block, the B operands of `S = Q·Kᵀ` and `dP = dO·Vᵀ` in the layout the
+/// micro-kernel reads ([`tile_gemm`]: row-major, whole vectors wide): `D` rows of `BLOCK`
+/// (`Dv` for Vᵀ), zero past the block's keys. Each task packs the block it works on into its
+/// scratch, where it stays in cache; a packed copy of all of K and V cost the call a fresh
+/// allocation of their size, whose first touch and transposes took a tenth of a 2-thread
+/// backward.
+struct KvBlock<'a> {
+    kt: &'a mut [f32],
+    vt: &'a mut [f32],
+}
+
+/// The tile products' B operands that the micro-kernel cannot read in place ([`tile_gemm`]:
+/// whole vectors wide): lane-padded copies of K, Q and dO where `D` or `Dv` is not a multiple of
+/// the vector width (else they are read in place).
 struct Packed {
-    /// `(B, Hkv, key blocks, D, BLOCK)`, zero past each block's keys.
-    kt: Vec<f32>,
-    /// `(B, Hkv, key blocks, Dv, BLOCK)`.
-    vt: Vec<f32>,
     /// `(B, Hkv, Lk, Dp)`, `(B, Hq, Lq, Dp)`, `(B, Hq, Lq, Dvp)` when padding is needed.
     k: Option<Vec<f32>>,
     q: Option<Vec<f32>>,
@@ -609,8 +621,6 @@ impl<'p> Bwd<'p> {
             ),
             lse: saved.lse.as_ptr(),
             packed: Packed {
-                kt: Vec::new(),
-                vt: Vec::new(),
                 k: None,
                 q: None,
                 d_o: None,
@@ -624,34 +634,8 @@ impl<'p> Bwd<'p> {
 
     /// Builds [`Packed`] from the validated views.
     fn pack(&self) -> Result<Packed> {
+        let s = self.plan.shape;
         let pl = self.plan;
-        let s = pl.shape;
-        let kblocks = s.lk.div_ceil(BLOCK);
-        let heads = checked_len("k", &[s.b, s.hkv, kblocks, BLOCK])?;
-        let mut kt = try_zeros::<f32>("k", checked_len("k", &[heads, s.d])?)?;
-        let mut vt = try_zeros::<f32>("v", checked_len("v", &[heads, s.dv])?)?;
-        for b in 0..s.b {
-            for hk in 0..s.hkv {
-                for j in 0..s.lk {
-                    let (kb, jj) = (j / BLOCK, j % BLOCK);
-                    let blk = (b * s.hkv + hk) * kblocks + kb;
-                    // SAFETY: row `j` of KV head `hk` of batch `b` of validated K and V views
-                    // (D and Dv contiguous values).
-                    let (kr, vr) = unsafe {
-                        (
-                            core::slice::from_raw_parts(pl.k.add(off(pl.ks, b, hk, j)), s.d),
-                            core::slice::from_raw_parts(pl.v.add(off(pl.vs, b, hk, j)), s.dv),
-                        )
-                    };
-                    for (c, &x) in kr.iter().enumerate() {
-                        kt[(blk * s.d + c) * BLOCK + jj] = x;
-                    }
-                    for (c, &x) in vr.iter().enumerate() {
-                        vt[(blk * s.dv + c) * BLOCK + jj] = x;
-                    }
-                }
-            }
-        }
         // A lane-padded dense copy of the `(B, H, L, width)` rows of a view at `base`, strides
         // `st`.
         let padded = |arg: &'static str,
@@ -673,8 +657,6 @@ impl<'p> Bwd<'p> {
             Ok(Some(buf))
         };
         Ok(Packed {
-            kt,
-            vt,
             k: padded("k", [s.hkv, s.lk, s.d, self.dp], (pl.k, pl.ks))?,
             q: padded("q", [s.hq, s.lq, s.d, self.dp], (pl.q, pl.qs))?,
             d_o: padded("dout", [s.hq, s.lq, s.dv, self.dvp], self.d_o)?,
@@ -752,7 +734,8 @@ impl<'p> Bwd<'p> {
         let pl = self.plan;
         let s = &pl.shape;
         let mut sc = Scratch::new(self.dp, self.dvp)?;
-        let Tiles { p, ds, .. } = sc.parts();
+        let Tiles { p, ds, mut kv, .. } = sc.parts();
+        let mut packed = None;
         let batches = if bs[0] == 1 { 0..s.b } else { ib..ib + 1 };
         let heads = if bs[1] == 1 { 0..s.hq } else { ih..ih + 1 };
         let qblocks = if bs[2] == 1 {
@@ -771,10 +754,13 @@ impl<'p> Bwd<'p> {
                         if !self.touches(&spec, m, j0, n) {
                             continue;
                         }
+                        let hk = h / group;
+                        if packed != Some((b, hk, kb)) {
+                            self.pack_block(b, hk, kb, &mut kv);
+                            packed = Some((b, hk, kb));
+                        }
                         // SAFETY: indices in range; the tiles hold BLOCK² ≥ m·n values.
-                        unsafe {
-                            self.tile(b, h, h / group, (i0, m), (j0, n), delta, p, ds, false)
-                        };
+                        unsafe { self.tile(b, h, (i0, m), (j0, n), &kv, delta, p, ds, false) };
                         for r in 0..m {
                             let row = if bs[2] == 1 { 0 } else { i0 + r };
                             let at = ((ib * bs[1] + ih) * bs[2] + row) * s.lk + j0;
@@ -810,6 +796,20 @@ impl<'p> Bwd<'p> {
         }
     }
 
+    /// Packs key block `kb` of KV head `hk` of batch `b` into `kv`.
+    fn pack_block(&self, b: usize, hk: usize, kb: usize, kv: &mut KvBlock) {
+        let pl = self.plan;
+        let s = &pl.shape;
+        let (j0, n) = block(kb, s.lk);
+        // SAFETY: rows `j0..j0+n` of KV head `hk` of batch `b` of the validated K and V views
+        // (D and Dv contiguous values, rows `ks[2]`, `vs[2]` apart); `kv` holds `D·BLOCK` and
+        // `Dv·BLOCK` values (Dp, Dvp ≥ D, Dv).
+        unsafe {
+            transpose_block(pl.k.add(off(pl.ks, b, hk, j0)), pl.ks[2], n, s.d, kv.kt);
+            transpose_block(pl.v.add(off(pl.vs, b, hk, j0)), pl.vs[2], n, s.dv, kv.vt);
+        }
+    }
+
     /// Whether some row of query block `(i0, m)` may see a key of block `(j0, n)` (a cheap test
     /// on the first and last rows: visible ranges only move right with the row).
     fn touches(&self, spec: &ScoreSpec, m: usize, j0: usize, n: usize) -> bool {
@@ -818,10 +818,10 @@ impl<'p> Bwd<'p> {
         lo < j0 + n && hi > j0 && lo < hi
     }
 
-    /// Scores of query rows `i0..i0+m` of head `h` against keys `j0..j0+n` (key block `kb`) of
-    /// KV head `hk`, turned into probabilities `P` in `p` and `dS = P ∘ (dP − D)` (times the
-    /// softcap's derivative, unless `raw`: then `dS` by the logit, what the bias gets) in `ds`,
-    /// for batch `b`; both with row stride `BLOCK`, the columns past `n` unspecified.
+    /// Scores of query rows `i0..i0+m` of head `h` of batch `b` against keys `j0..j0+n` (their
+    /// block packed in `kv`), turned into probabilities `P` in `p` and `dS = P ∘ (dP − D)` (times
+    /// the softcap's derivative, unless `raw`: then `dS` by the logit, what the bias gets) in
+    /// `ds`; both with row stride `BLOCK`, the columns past `n` unspecified.
     ///
     /// # Safety
     /// Indices in range; `p` and `ds` hold `BLOCK²` values.
@@ -830,9 +830,9 @@ impl<'p> Bwd<'p> {
         &self,
         b: usize,
         h: usize,
-        hk: usize,
         (i0, m): (usize, usize),
         (j0, n): (usize, usize),
+        kv: &KvBlock,
         delta: &[f32],
         p: &mut [f32],
         ds: &mut [f32],
@@ -842,15 +842,13 @@ impl<'p> Bwd<'p> {
         let s = &pl.shape;
         let spec = pl.spec(b, h, i0);
         let w = pl.isa.lanes();
-        let blk = (b * s.hkv + hk) * s.lk.div_ceil(BLOCK) + j0 / BLOCK;
         // SAFETY: (both products) Q and dO rows `i0..i0+m` of validated views (A, by broadcast),
         // the packed Kᵀ and Vᵀ of this key block (B: D or Dv rows of BLOCK ≥ n rounded up to
         // the width), and the tiles (C: m rows of BLOCK).
         unsafe {
             let q = pl.q.add(off(pl.qs, b, h, i0));
             let dout = self.d_o.0.add(off(self.d_o.1, b, h, i0));
-            let kt = self.packed.kt.as_ptr().add(blk * s.d * BLOCK);
-            let vt = self.packed.vt.as_ptr().add(blk * s.dv * BLOCK);
+            let (kt, vt) = (kv.kt.as_ptr(), kv.vt.as_ptr());
             let nvec = n.div_ceil(w);
             // S = Q·Kᵀ (scaled below, row by row), dP = dO·Vᵀ.
             tile_gemm(
@@ -1030,7 +1028,9 @@ impl<'p> Bwd<'p> {
             acc_k,
             acc_v,
             dsk,
+            mut kv,
         } = sc.parts();
+        self.pack_block(b, hk, kb, &mut kv);
         let (acc_k, acc_v) = (&mut acc_k[..n * dp], &mut acc_v[..n * dvp]);
         acc_k.fill(0.0);
         acc_v.fill(0.0);
@@ -1042,7 +1042,7 @@ impl<'p> Bwd<'p> {
                     continue;
                 }
                 // SAFETY: indices in range; the tiles hold BLOCK² values.
-                unsafe { self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds, false) };
+                unsafe { self.tile(b, h, (i0, m), (j0, n), &kv, delta, p, ds, false) };
                 // SAFETY: Pᵀ and dSᵀ read by broadcast through swapped strides (n keys × m
                 // queries of the tiles), dO and Q rows lane-padded, the accumulators `n` rows of
                 // `Dvp` / `Dp`.
@@ -1139,6 +1139,7 @@ impl<'p> Bwd<'p> {
             ds,
             acc_k: acc,
             dsk,
+            mut kv,
             ..
         } = sc.parts();
         let acc = &mut acc[..m * dp];
@@ -1149,9 +1150,12 @@ impl<'p> Bwd<'p> {
             if !self.touches(&spec, m, j0, n) {
                 continue;
             }
+            // The block is packed again for every query block: 128·(D + Dv) values moved
+            // against the tile's 7 products of 128²·D.
+            self.pack_block(b, hk, kb, &mut kv);
             // SAFETY: as in `dk_dv`.
             unsafe {
-                self.tile(b, h, hk, (i0, m), (j0, n), delta, p, ds, false);
+                self.tile(b, h, (i0, m), (j0, n), &kv, delta, p, ds, false);
                 self.ds_k(b, hk, (j0, n), m, ds, dsk);
             }
             for (x, &y) in acc.iter_mut().zip(dsk.iter()) {
@@ -1166,6 +1170,33 @@ impl<'p> Bwd<'p> {
             }
         }
         Ok(())
+    }
+}
+
+/// `dst[c·BLOCK + j] = src[j·ld + c]` for `j < n ≤ BLOCK`, `c < width`, and zero for
+/// `n ≤ j < BLOCK`: a key block transposed 16 rows at a time, so that each destination line is
+/// written whole while the 16 source rows stay in L1.
+///
+/// # Safety
+/// `src` readable for `n` rows of `width` values `ld` apart.
+unsafe fn transpose_block(src: *const f32, ld: usize, n: usize, width: usize, dst: &mut [f32]) {
+    const ROWS: usize = 16;
+    let dst = &mut dst[..width * BLOCK];
+    let mut j0 = 0;
+    while j0 < n {
+        let rows = ROWS.min(n - j0);
+        for (c, line) in dst.chunks_exact_mut(BLOCK).enumerate() {
+            for (j, x) in line[j0..j0 + rows].iter_mut().enumerate() {
+                // SAFETY: row `j0 + j < n`, column `c < width`, per the contract.
+                *x = unsafe { *src.add((j0 + j) * ld + c) };
+            }
+        }
+        j0 += rows;
+    }
+    if n < BLOCK {
+        for line in dst.chunks_exact_mut(BLOCK) {
+            line[n..].fill(0.0);
+        }
     }
 }
 
