@@ -27,13 +27,29 @@ use crate::exec::{run_tasks, threads, SendPtr};
 use crate::options::{Extras, SdpaOptions};
 use crate::plan::{off, used_strides, Plan};
 use crate::view::{check_disjoint, check_len, Tensor, TensorMut};
-use attnkit_kernels::{apply_scores, exp2_slice, tile_gemm, Dtype, Elem, ScoreSpec};
+use attnkit_kernels::{probs_and_ds, tile_gemm, Dtype, Elem, ScoreSpec};
 use std::sync::Mutex;
 
 /// Query rows and keys per tile. 128 and 64 measured level on the unpacked tile products
 /// (`examples/backward_bench.rs`, two builds alternated); 128 halves the per-tile bookkeeping and
 /// the number of Kᵀ/Vᵀ blocks.
 const BLOCK: usize = 128;
+
+/// Query rows per part of a tile that the causal diagonal cuts ([`Bwd::parts`]). 32 measured
+/// level with 64 (`examples/backward_bench`, two builds alternated, causal rows).
+const SUB: usize = 64;
+
+/// The parts of one tile ([`Bwd::parts`]).
+struct Parts {
+    list: [(usize, usize, usize); BLOCK / SUB],
+    len: usize,
+}
+
+impl Parts {
+    fn iter(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        self.list[..self.len].iter().copied()
+    }
+}
 
 /// Whether one task per (batch, KV head) pair computes all three gradients in one pass (5 tile
 /// products per tile), or keys are split across tasks too and dQ takes a second pass (7). Both
@@ -818,6 +834,33 @@ impl<'p> Bwd<'p> {
         lo < j0 + n && hi > j0 && lo < hi
     }
 
+    /// The parts of tile (query block `(i0, m)` under `spec`, key block `(j0, n)`) that its rows
+    /// see, as `(first row, rows, keys from j0)`: the whole tile, or, where the first row's
+    /// visible keys end inside the block (the causal diagonal, a key length), its rows in
+    /// sub-blocks of [`SUB`], each up to its last row's visible end. The keys left out are
+    /// hidden from every row of the part, so their weights and `dS` are zeros: the products
+    /// skip them (a quarter of each diagonal tile). The split depends on the tile alone, so the
+    /// one-pass and two-pass orders still add the same terms in the same order.
+    fn parts(&self, spec: &ScoreSpec, m: usize, j0: usize, n: usize) -> Parts {
+        let mut parts = Parts {
+            list: [(0, m, n); BLOCK / SUB],
+            len: 1,
+        };
+        if spec.visible_range(0).1 >= j0 + n {
+            return parts;
+        }
+        parts.len = 0;
+        for a in (0..m).step_by(SUB) {
+            let rows = SUB.min(m - a);
+            let keys = spec.visible_range(a + rows - 1).1.saturating_sub(j0).min(n);
+            if keys > 0 {
+                parts.list[parts.len] = (a, rows, keys);
+                parts.len += 1;
+            }
+        }
+        parts
+    }
+
     /// Scores of query rows `i0..i0+m` of head `h` of batch `b` against keys `j0..j0+n` (their
     /// block packed in `kv`), turned into probabilities `P` in `p` and `dS = P ∘ (dP − D)` (times
     /// the softcap's derivative, unless `raw`: then `dS` by the logit, what the bias gets) in
@@ -883,7 +926,8 @@ impl<'p> Bwd<'p> {
         }
         let row_base = (b * s.hq + h) * s.lq + i0;
         if spec.softcap.is_none() {
-            // The common case, vectorised: the forward's own score rule, then 2^((x − lse)·log2 e).
+            // The common case, in the ISA's vectors: the forward's own score rule, then
+            // `p = 2^((x − lse)·log2 e)` and `dS` in one pass.
             for r in 0..m {
                 // SAFETY: `row_base + r` is a row of the dense `(B, Hq, Lq)` lse.
                 let l = unsafe { *self.lse.add(row_base + r) };
@@ -895,16 +939,9 @@ impl<'p> Bwd<'p> {
                     dsr.fill(0.0);
                     continue;
                 }
-                pr.iter_mut().for_each(|x| *x *= pl.scale);
                 // SAFETY: the spec's mask and bias rows are readable for keys `< j0 + n ≤ Lk`
                 // (validated views); the plan's ISA is supported.
-                unsafe { apply_scores(pl.isa, &spec, r, j0, pr) };
-                pr.iter_mut()
-                    .for_each(|x| *x = (*x - l) * core::f32::consts::LOG2_E);
-                exp2_slice(pl.isa, pr);
-                for (d, &pv) in dsr.iter_mut().zip(pr.iter()) {
-                    *d = pv * (*d - dr);
-                }
+                unsafe { probs_and_ds(pl.isa, &spec, r, j0, (pl.scale, l, dr), pr, dsr) };
             }
             return;
         }
@@ -1037,64 +1074,68 @@ impl<'p> Bwd<'p> {
         let group = s.hq / s.hkv;
         for h in hk * group..(hk + 1) * group {
             for qb in 0..s.lq.div_ceil(BLOCK) {
-                let (i0, m) = block(qb, s.lq);
-                if !self.touches(&pl.spec(b, h, i0), m, j0, n) {
+                let (q0, mq) = block(qb, s.lq);
+                let spec = pl.spec(b, h, q0);
+                if !self.touches(&spec, mq, j0, n) {
                     continue;
                 }
-                // SAFETY: indices in range; the tiles hold BLOCK² values.
-                unsafe { self.tile(b, h, (i0, m), (j0, n), &kv, delta, p, ds, false) };
-                // SAFETY: Pᵀ and dSᵀ read by broadcast through swapped strides (n keys × m
-                // queries of the tiles), dO and Q rows lane-padded, the accumulators `n` rows of
-                // `Dvp` / `Dp`.
-                unsafe {
-                    let (dout, ldo) = self.rows_q(b, h, i0, true);
-                    let (q, ldq) = self.rows_q(b, h, i0, false);
-                    // dV += Pᵀ·dO, dK += dSᵀ·Q (scaled when written out).
-                    let (av, ak) = (acc_v.as_mut_ptr(), acc_k.as_mut_ptr());
-                    tile_gemm(
-                        pl.isa,
-                        n,
-                        dvp / w,
-                        m,
-                        p.as_ptr(),
-                        1,
-                        BLOCK,
-                        dout,
-                        ldo,
-                        av,
-                        dvp,
-                        true,
-                    );
-                    tile_gemm(
-                        pl.isa,
-                        n,
-                        dp / w,
-                        m,
-                        ds.as_ptr(),
-                        1,
-                        BLOCK,
-                        q,
-                        ldq,
-                        ak,
-                        dp,
-                        true,
-                    );
-                }
-                if let Some((dq, dqs)) = dq {
-                    // dQ += scale·dS·K, added into the caller's rows in key-block order (the
-                    // same operations, in the same order, as [`Self::dq`]).
-                    // SAFETY: indices in range; `dsk` holds BLOCK·Dp ≥ m·Dp values.
-                    unsafe { self.ds_k(b, hk, (j0, n), m, ds, dsk) };
-                    for r in 0..m {
-                        // SAFETY: row `i0 + r` of head `h` of batch `b`, owned by the caller.
-                        let row = unsafe {
-                            core::slice::from_raw_parts_mut(
-                                dq.get().add(off(dqs, b, h, i0 + r)),
-                                s.d,
-                            )
-                        };
-                        for (x, &y) in row.iter_mut().zip(&dsk[r * dp..]) {
-                            *x += pl.scale * y;
+                for (a, m, n) in self.parts(&spec, mq, j0, n).iter() {
+                    let i0 = q0 + a;
+                    // SAFETY: indices in range; the tiles hold BLOCK² values.
+                    unsafe { self.tile(b, h, (i0, m), (j0, n), &kv, delta, p, ds, false) };
+                    // SAFETY: Pᵀ and dSᵀ read by broadcast through swapped strides (n keys × m
+                    // queries of the tiles), dO and Q rows lane-padded, the accumulators `n` rows of
+                    // `Dvp` / `Dp`.
+                    unsafe {
+                        let (dout, ldo) = self.rows_q(b, h, i0, true);
+                        let (q, ldq) = self.rows_q(b, h, i0, false);
+                        // dV += Pᵀ·dO, dK += dSᵀ·Q (scaled when written out).
+                        let (av, ak) = (acc_v.as_mut_ptr(), acc_k.as_mut_ptr());
+                        tile_gemm(
+                            pl.isa,
+                            n,
+                            dvp / w,
+                            m,
+                            p.as_ptr(),
+                            1,
+                            BLOCK,
+                            dout,
+                            ldo,
+                            av,
+                            dvp,
+                            true,
+                        );
+                        tile_gemm(
+                            pl.isa,
+                            n,
+                            dp / w,
+                            m,
+                            ds.as_ptr(),
+                            1,
+                            BLOCK,
+                            q,
+                            ldq,
+                            ak,
+                            dp,
+                            true,
+                        );
+                    }
+                    if let Some((dq, dqs)) = dq {
+                        // dQ += scale·dS·K, added into the caller's rows in key-block order (the
+                        // same operations, in the same order, as [`Self::dq`]).
+                        // SAFETY: indices in range; `dsk` holds BLOCK·Dp ≥ m·Dp values.
+                        unsafe { self.ds_k(b, hk, (j0, n), m, ds, dsk) };
+                        for r in 0..m {
+                            // SAFETY: row `i0 + r` of head `h` of batch `b`, owned by the caller.
+                            let row = unsafe {
+                                core::slice::from_raw_parts_mut(
+                                    dq.get().add(off(dqs, b, h, i0 + r)),
+                                    s.d,
+                                )
+                            };
+                            for (x, &y) in row.iter_mut().zip(&dsk[r * dp..]) {
+                                *x += pl.scale * y;
+                            }
                         }
                     }
                 }
@@ -1153,13 +1194,15 @@ impl<'p> Bwd<'p> {
             // The block is packed again for every query block: 128·(D + Dv) values moved
             // against the tile's 7 products of 128²·D.
             self.pack_block(b, hk, kb, &mut kv);
-            // SAFETY: as in `dk_dv`.
-            unsafe {
-                self.tile(b, h, (i0, m), (j0, n), &kv, delta, p, ds, false);
-                self.ds_k(b, hk, (j0, n), m, ds, dsk);
-            }
-            for (x, &y) in acc.iter_mut().zip(dsk.iter()) {
-                *x += pl.scale * y;
+            for (a, ms, n) in self.parts(&spec, m, j0, n).iter() {
+                // SAFETY: as in `dk_dv`.
+                unsafe {
+                    self.tile(b, h, (i0 + a, ms), (j0, n), &kv, delta, p, ds, false);
+                    self.ds_k(b, hk, (j0, n), ms, ds, dsk);
+                }
+                for (x, &y) in acc[a * dp..(a + ms) * dp].iter_mut().zip(dsk.iter()) {
+                    *x += pl.scale * y;
+                }
             }
         }
         for r in 0..m {

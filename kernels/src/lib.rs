@@ -26,6 +26,7 @@ mod elem;
 mod flash;
 mod gemm;
 mod gemv;
+mod grad;
 mod heads;
 mod isa;
 mod pages;
@@ -116,6 +117,8 @@ isa_fn!(decode_isa<Q: Elem, KV: Stored>(args: &DecodeArgs<Q, KV>, partial: *mut 
 isa_fn!(softmax_isa(x: &mut [f32], sink: f32) => flash::softmax);
 isa_fn!(apply_row_isa(spec: &ScoreSpec, r: usize, j0: usize, x: &mut [f32], u: f32) => score::apply_row);
 isa_fn!(exp_scale_isa(x: &mut [f32], m: f32, k: f32) => flash::exp_scale);
+isa_fn!(probs_and_ds_isa(spec: &ScoreSpec, r: usize, j0: usize, scale: f32, lse: f32, delta: f32, s: &mut [f32],
+    dp: &mut [f32]) => grad::probs_and_ds);
 isa_fn!(block_isa<A: Elem, B: Elem>(m: usize, nvec: usize, kc: usize, chain: usize, a: *const A, rsa: usize, csa: usize, b: *const B,
     ldb: usize, c: *mut f32, ldc: usize, acc: Accum) => gemm::block);
 
@@ -356,6 +359,32 @@ pub unsafe fn apply_scores(isa: Isa, spec: &ScoreSpec, r: usize, j0: usize, x: &
     assert!(isa.is_supported(), "{isa} is not supported on this CPU");
     // SAFETY: forwarded contract; the ISA is supported (asserted).
     unsafe { apply_row_isa(isa, spec, r, j0, x, 1.0) }
+}
+
+/// The backward pass's element-wise step for row `r` of a score tile, keys `j0 + [0, s.len())`:
+/// the raw scores `s` (`q·k`) become the forward's weights `p = exp(spec(scale·s) − lse)`, and
+/// `dp` (`dO·vᵀ`) becomes `dS = p·(dp − delta)` (`delta = rowsum(dO ∘ O)`). A key the spec
+/// hides gets `p = 0`, `dS = 0`. Softcap's derivative is not applied: the caller multiplies it
+/// in.
+///
+/// # Panics
+/// If `isa` is not supported by this CPU, or `dp` is shorter than `s`.
+///
+/// # Safety
+/// The bias and mask of row `r` are readable at columns `< j0 + s.len()`.
+pub unsafe fn probs_and_ds(
+    isa: Isa,
+    spec: &ScoreSpec,
+    r: usize,
+    j0: usize,
+    (scale, lse, delta): (f32, f32, f32),
+    s: &mut [f32],
+    dp: &mut [f32],
+) {
+    assert!(isa.is_supported(), "{isa} is not supported on this CPU");
+    assert!(dp.len() >= s.len(), "dp shorter than s");
+    // SAFETY: forwarded contract; the ISA is supported and `dp` long enough (asserted).
+    unsafe { probs_and_ds_isa(isa, spec, r, j0, scale, lse, delta, s, dp) }
 }
 
 /// `C[m × n] = A[m × k] · B[k × n]` (row-major, leading dimensions `lda`, `ldb`, `ldc`) through
