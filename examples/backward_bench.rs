@@ -33,8 +33,10 @@ fn main() {
     let shapes = [
         (1, 16, 1024, 64, false),
         (1, 16, 1024, 64, true),
+        (1, 8, 2048, 128, false),
         (1, 8, 2048, 128, true),
         (4, 12, 512, 64, false),
+        (4, 12, 512, 64, true),
     ];
     println!("| B,H,L,D | causal | threads | forward ms | backward ms | bwd/fwd | fwd GFLOP/s | bwd GFLOP/s |");
     println!("|---|---|---|---|---|---|---|---|");

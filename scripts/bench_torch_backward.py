@@ -9,7 +9,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-SHAPES = [(1, 16, 1024, 64, False), (1, 16, 1024, 64, True), (1, 8, 2048, 128, True), (4, 12, 512, 64, False)]
+SHAPES = [(1, 16, 1024, 64, False), (1, 16, 1024, 64, True), (1, 8, 2048, 128, False),
+          (1, 8, 2048, 128, True), (4, 12, 512, 64, False), (4, 12, 512, 64, True)]
 REPS = 7
 
 print("| B,H,L,D | causal | threads | torch fwd ms | torch bwd ms | bwd/fwd | backend |")
