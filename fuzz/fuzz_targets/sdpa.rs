@@ -114,7 +114,8 @@ impl Case {
                 )?)
             }
         };
-        let opts = OptSpec::decode(u, &dims, false, &mut rng, &mut expect, budget.max_len)?;
+        let mut opts = OptSpec::decode(u, &dims, false, &mut rng, &mut expect, budget.max_len)?;
+        opts.decode_precision(u, &mut expect)?;
         let (mut lse, mut weights) = (None, None);
         if api == Api::Ext {
             // Nothing bounds Lk when rows are empty (D = Dv = 0): a valid lse would make the call

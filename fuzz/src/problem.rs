@@ -4,7 +4,7 @@
 use crate::expect::Expect;
 use crate::gen::{chance, product, size, small, wild, Rng};
 use arbitrary::{Result, Unstructured};
-use attnkit::{Causal, Isa, Kernel, MaskRef, Par, SdpaOptions};
+use attnkit::{Causal, Isa, Kernel, MaskRef, Par, Precision, SdpaOptions};
 
 /// Largest buffer (elements) the targets allocate at full length for small problems (1 MiB).
 pub const MAX_LEN: usize = 1 << 18;
@@ -244,6 +244,9 @@ pub struct OptSpec {
     pub alibi: Option<Vec<f32>>,
     pub softcap: Option<f32>,
     pub sinks: Option<Vec<f32>>,
+    /// The precision of f32 products: [`Precision::Highest`] unless a target sets it
+    /// ([`OptSpec::decode_precision`]).
+    pub precision: Precision,
 }
 
 impl OptSpec {
@@ -305,12 +308,31 @@ impl OptSpec {
             alibi,
             softcap,
             sinks,
+            precision: Precision::Highest,
         })
+    }
+
+    /// `Precision::Medium` (1 in 4) for an all-f32 call: refused when `isa` is forced to one
+    /// without bf16 products, else bf16 products where the CPU has them, f32 ones elsewhere.
+    pub fn decode_precision(&mut self, u: &mut Unstructured, expect: &mut Expect) -> Result<()> {
+        if chance(u, 1, 4)? {
+            self.precision = Precision::Medium;
+            if self
+                .isa
+                .is_some_and(|isa| !matches!(isa, Isa::Avx512Bf16 | Isa::Amx))
+            {
+                expect.fault("Precision::Medium with an ISA that has no bf16 products");
+            }
+        }
+        Ok(())
     }
 
     /// The options with threading `par`.
     pub fn options(&self, par: Par) -> SdpaOptions<'_> {
-        let mut o = SdpaOptions::new().kernel(self.path).par(par);
+        let mut o = SdpaOptions::new()
+            .kernel(self.path)
+            .par(par)
+            .precision(self.precision);
         if let Some(s) = self.scale {
             o = o.scale(s);
         }
@@ -354,9 +376,12 @@ impl OptSpec {
     }
 
     /// Whether the f64 reference is meaningful: a moderate scale and a tame mask (an f32 kernel
-    /// overflows where the f64 reference does not once `scale·q` nears `f32::MAX`).
+    /// overflows where the f64 reference does not once `scale·q` nears `f32::MAX`), and f32
+    /// products (bf16 ones are checked against rounded inputs in tests/precision.rs).
     pub fn reference_applies(&self, d: usize) -> bool {
-        self.scale_for(d).abs() <= 16.0 && self.mask.as_ref().is_none_or(MaskSpec::is_tame)
+        self.scale_for(d).abs() <= 16.0
+            && self.mask.as_ref().is_none_or(MaskSpec::is_tame)
+            && self.precision == Precision::Highest
     }
 }
 
