@@ -656,3 +656,78 @@ fn tile_gemm_matches_f64() {
         }
     }
 }
+
+/// `probs_and_ds` (the backward's step on a tile row): weights `exp(rule(scale·s) − lse)` and
+/// `dS = p·(dP − delta)` against f64, over row lengths around the vector widths, visible ranges
+/// that cut the row on either side, and ALiBi; hidden keys get exactly zero.
+#[test]
+fn probs_and_ds_matches_f64() {
+    let mut rng = SmallRng::seed_from_u64(47);
+    for isa in isas() {
+        for n in [1usize, 7, 16, 17, 33, 100, 128] {
+            for (lo, hi) in [(0, n), (0, n.div_ceil(2)), (n / 3, n), (n / 4, n - n / 4)] {
+                if lo >= hi {
+                    continue;
+                }
+                for alibi in [None, Some(0.375f32)] {
+                    let j0 = 5;
+                    let spec = ScoreSpec {
+                        alibi: alibi.map(|slope| Alibi { slope, offset: 2 }),
+                        ..range_spec(j0 + lo, j0 + hi, j0 + n)
+                    };
+                    let s: Vec<f32> = (0..n).map(|_| rng.gen_range(-4.0..4.0)).collect();
+                    let dp: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    let (scale, delta) = (0.35f32, rng.gen_range(-0.5f32..0.5));
+                    // The logits in f64 (−inf where hidden), and the lse of the visible ones.
+                    let logit: Vec<f64> = (0..n)
+                        .map(|c| {
+                            if c < lo || c >= hi {
+                                return f64::NEG_INFINITY;
+                            }
+                            let a =
+                                alibi.map_or(0.0, |sl| sl as f64 * (2.0 - (j0 + c) as f64).abs());
+                            scale as f64 * s[c] as f64 - a
+                        })
+                        .collect();
+                    let mx = logit.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = logit.iter().map(|&x| (x - mx).exp()).sum();
+                    let lse = (mx + sum.ln()) as f32;
+                    let (mut p, mut ds) = (s.clone(), dp.clone());
+                    // SAFETY: the spec has no bias or mask.
+                    unsafe {
+                        attnkit_kernels::probs_and_ds(
+                            isa,
+                            &spec,
+                            0,
+                            j0,
+                            (scale, lse, delta),
+                            &mut p,
+                            &mut ds,
+                        )
+                    };
+                    for c in 0..n {
+                        let ctx = format!("{isa} n={n} [{lo},{hi}) alibi={alibi:?} key {c}");
+                        if c < lo || c >= hi {
+                            assert!(p[c] == 0.0 && ds[c] == 0.0, "{ctx}: hidden key not zero");
+                            continue;
+                        }
+                        let want_p = (logit[c] - lse as f64).exp();
+                        let want_ds = want_p * (dp[c] as f64 - delta as f64);
+                        let rel = 1e-6 * (1.0 + logit[c].abs() + (lse as f64).abs());
+                        assert!(
+                            (p[c] as f64 - want_p).abs() <= rel * want_p,
+                            "{ctx}: p {} vs {want_p}",
+                            p[c]
+                        );
+                        let tol = rel * want_p * (dp[c].abs() + delta.abs()) as f64 + 1e-12;
+                        assert!(
+                            (ds[c] as f64 - want_ds).abs() <= tol,
+                            "{ctx}: dS {} vs {want_ds}",
+                            ds[c]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
