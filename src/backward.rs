@@ -108,8 +108,9 @@ pub struct Gradients {
 /// # Errors
 /// As [`crate::sdpa`] for `q`, `k`, `v` and the options; [`AttnError::ShapeMismatch`] when
 /// `out`, `dout`, `dq`, `dk` or `dv` does not have its input's shape, [`AttnError::BufferLength`]
-/// for `lse`, [`AttnError::BadParam`] for an `lse` entry that is NaN or +inf; overlapping rows of a gradient ([`AttnError::BadStride`]);
-/// [`AttnError::Alloc`] when the per-task scratch cannot be allocated (the gradients are then
+/// for `lse`, [`AttnError::BadParam`] for an `lse` entry that is NaN or +inf, or −inf on a row
+/// that sees a key (a fully masked row's is −inf, and its gradients are zero); overlapping rows
+/// of a gradient ([`AttnError::BadStride`]); [`AttnError::Alloc`] when the per-task scratch cannot be allocated (the gradients are then
 /// unspecified).
 pub fn sdpa_backward<E: Elem>(
     saved: &Saved<E>,
@@ -364,6 +365,21 @@ fn validate_saved<E: Elem>(
             arg: "lse",
             reason: "must be finite, or -inf for a fully masked row",
         });
+    }
+    // −inf on a row that sees a key would silently give it zero gradients (a forward gives
+    // one only when every logit overflows to −inf: its gradients do not exist either).
+    for (t, _) in lse
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l == f32::NEG_INFINITY)
+    {
+        let (b, h, i) = (t / (s.hq * s.lq), t / s.lq % s.hq, t % s.lq);
+        if sees_a_key(&plan.spec(b, h, i)) {
+            return Err(AttnError::BadParam {
+                arg: "lse",
+                reason: "is -inf for a row that sees a key (only a fully masked row's is)",
+            });
+        }
     }
     // K and V of a batch of one serve every query batch: their gradients would then be sums
     // over batches, which the per-batch tasks do not form. (A zero B stride over B batches is
@@ -1214,6 +1230,23 @@ impl<'p> Bwd<'p> {
         }
         Ok(())
     }
+}
+
+/// Whether local row 0 of `spec` sees a key (one in its visible range that the mask keeps and
+/// the bias does not set to −inf) or has a sink: its lse is then finite.
+fn sees_a_key(spec: &ScoreSpec) -> bool {
+    if spec.sink.is_some() {
+        return true;
+    }
+    let (lo, hi) = spec.visible_range(0);
+    (lo..hi).any(|j| {
+        // SAFETY: the spec's mask and bias rows belong to validated views, readable at keys
+        // `< key_len`, and `hi ≤ key_len`.
+        unsafe {
+            (spec.mask.is_null() || *spec.mask.add(j) != 0)
+                && (spec.bias.is_null() || *spec.bias.add(j) != f32::NEG_INFINITY)
+        }
+    })
 }
 
 /// `dst[c·BLOCK + j] = src[j·ld + c]` for `j < n ≤ BLOCK`, `c < width`, and zero for

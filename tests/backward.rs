@@ -424,6 +424,28 @@ fn backward_refusals_name_the_argument() {
         matches!(r, Err(AttnError::BadParam { arg: "lse", .. })),
         "{r:?}"
     );
+    // −inf says "fully masked": refused on a row that sees keys, accepted (zero gradients) on
+    // one that sees none.
+    let mut neg = lse.clone();
+    neg[3] = f32::NEG_INFINITY;
+    let r = sdpa_backward_vec(&Saved { lse: &neg, ..saved }, &t, &SdpaOptions::new());
+    assert!(
+        matches!(r, Err(AttnError::BadParam { arg: "lse", .. })),
+        "{r:?}"
+    );
+    let lens = vec![0; b];
+    let masked = SdpaOptions::new().key_lengths(&lens);
+    let all_neg = vec![f32::NEG_INFINITY; lse.len()];
+    let g = sdpa_backward_vec(
+        &Saved {
+            lse: &all_neg,
+            ..saved
+        },
+        &t,
+        &masked,
+    )
+    .expect("-inf lse of fully masked rows");
+    assert!(g.dq.iter().chain(&g.dk).chain(&g.dv).all(|&x| x == 0.0));
     // Gradient rows on top of each other.
     let (mut dq, mut dk, mut dv) = (x.clone(), x.clone(), x.clone());
     let before = dq.clone();
