@@ -985,48 +985,22 @@ impl<'p> Bwd<'p> {
             );
         }
         let row_base = (b * s.hq + h) * s.lq + i0;
-        if spec.softcap.is_none() {
-            // The common case, in the ISA's vectors: the forward's own score rule, then
-            // `p = 2^((x − lse)·log2 e)` and `dS` in one pass.
-            for r in 0..m {
-                // SAFETY: `row_base + r` is a row of the dense `(B, Hq, Lq)` lse.
-                let l = unsafe { *self.lse.add(row_base + r) };
-                let dr = delta[row_base + r];
-                let row = r * BLOCK..r * BLOCK + n;
-                let (pr, dsr) = (&mut p[row.clone()], &mut ds[row]);
-                if l == f32::NEG_INFINITY {
-                    pr.fill(0.0);
-                    dsr.fill(0.0);
-                    continue;
-                }
-                // SAFETY: the spec's mask and bias rows are readable for keys `< j0 + n ≤ Lk`
-                // (validated views); the plan's ISA is supported.
-                unsafe { probs_and_ds(pl.isa, &spec, r, j0, (pl.scale, l, dr), pr, dsr) };
-            }
-            return;
-        }
+        // In the ISA's vectors: the forward's own score rule, then `p = 2^((x − lse)·log2 e)` and
+        // `dS` (with the softcap's derivative unless `raw`).
         for r in 0..m {
             // SAFETY: `row_base + r` is a row of the dense `(B, Hq, Lq)` lse.
             let l = unsafe { *self.lse.add(row_base + r) };
             let dr = delta[row_base + r];
-            let (lo, hi) = spec.visible_range(r);
             let row = r * BLOCK..r * BLOCK + n;
             let (pr, dsr) = (&mut p[row.clone()], &mut ds[row]);
-            for c in 0..n {
-                let j = j0 + c;
-                // SAFETY: mask and bias rows of validated, in-bounds views at key `j < Lk`.
-                let logit = unsafe { logit(&spec, r, j, lo, hi, pr[c] * pl.scale) };
-                let (pv, dv) = match logit {
-                    Some((x, deriv)) if l != f32::NEG_INFINITY => {
-                        let pv = (x - l).exp();
-                        let deriv = if raw { 1.0 } else { deriv };
-                        (pv, pv * (dsr[c] - dr) * deriv)
-                    }
-                    _ => (0.0, 0.0),
-                };
-                pr[c] = pv;
-                dsr[c] = dv;
+            if l == f32::NEG_INFINITY {
+                pr.fill(0.0);
+                dsr.fill(0.0);
+                continue;
             }
+            // SAFETY: the spec's mask and bias rows are readable for keys `< j0 + n ≤ Lk`
+            // (validated views); the plan's ISA is supported.
+            unsafe { probs_and_ds(pl.isa, &spec, r, j0, (pl.scale, l, dr), pr, dsr, !raw) };
         }
     }
 
@@ -1318,47 +1292,4 @@ unsafe fn transpose_block(src: *const f32, ld: usize, n: usize, width: usize, ds
             line[n..].fill(0.0);
         }
     }
-}
-
-/// The logit of local row `r` and key `j` under `spec` for the scaled score `x`, with its
-/// derivative by `x` (the softcap's `1 − tanh²`, else 1); `None` where the key is hidden.
-/// `lo..hi` is the row's visible range.
-///
-/// # Safety
-/// The spec's mask and bias are readable at row `r`, key `j`.
-#[inline(always)]
-unsafe fn logit(
-    spec: &ScoreSpec,
-    r: usize,
-    j: usize,
-    lo: usize,
-    hi: usize,
-    x: f32,
-) -> Option<(f32, f32)> {
-    if j < lo || j >= hi {
-        return None;
-    }
-    // SAFETY: per the contract.
-    if !spec.mask.is_null() && unsafe { *spec.mask.add(r * spec.ldmask + j) } == 0 {
-        return None;
-    }
-    let (mut x, deriv) = match spec.softcap {
-        Some(cap) => {
-            let t = (x / cap).tanh();
-            (cap * t, 1.0 - t * t)
-        }
-        None => (x, 1.0),
-    };
-    if !spec.bias.is_null() {
-        // SAFETY: per the contract.
-        x += unsafe { *spec.bias.add(r * spec.ldbias + j) };
-    }
-    if let Some(a) = spec.alibi {
-        let dist = (spec.row0 + r) as f64 + a.offset as f64 - j as f64;
-        x -= a.slope * dist.abs() as f32;
-    }
-    if x == f32::NEG_INFINITY {
-        return None;
-    }
-    Some((x, deriv))
 }

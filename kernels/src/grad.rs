@@ -7,9 +7,10 @@ use core::f32::consts::LOG2_E;
 
 /// Row `r` of a backward tile, keys `j0 + [0, s.len())`: the raw scores `s` (`q·k`) become
 /// `p = exp(spec(scale·s) − lse)` (the forward's score rule, so `p` is its softmax weight) and the
-/// row of `dP` (`dO·vᵀ`) becomes `dS = p·(dP − delta)`. Three vector passes: scale, score rule,
-/// then exponent and `dS` fused. Bitwise what the scalar steps `x·scale`, the rule,
-/// `2^((x − lse)·log2 e)`, `p·(dP − delta)` give, each rounded in that order.
+/// row of `dP` (`dO·vᵀ`) becomes `dS = p·(dP − delta)`, times the softcap's derivative
+/// `1 − tanh²` when `deriv` (without it, `dS` by the logit: what a bias's gradient takes).
+/// Vector passes: scale; the softcap (and the factor `(dP − delta)·(1 − t²)` from its result);
+/// the rest of the score rule; exponent and `dS` fused.
 ///
 /// # Safety
 /// `dp.len() ≥ s.len()`; the spec's bias and mask rows readable at keys `< j0 + s.len()`; the
@@ -24,10 +25,12 @@ pub(crate) unsafe fn probs_and_ds<S: SimdDiv>(
     delta: f32,
     s: &mut [f32],
     dp: &mut [f32],
+    deriv: bool,
 ) {
     let n = s.len();
     let dp = &mut dp[..n];
     let full = n / S::W * S::W;
+    let mut delta = delta;
     // SAFETY: vector accesses below `full`, a lane multiple of both slices; the tail goes
     // through W-long stack buffers; the spec's rows per the contract.
     unsafe {
@@ -39,7 +42,33 @@ pub(crate) unsafe fn probs_and_ds<S: SimdDiv>(
         for x in &mut s[full..] {
             *x *= scale;
         }
-        spec.apply_row::<S>(r, j0, s, 1.0);
+        let mut rest = *spec;
+        if let Some(cap) = spec.softcap {
+            // The softcap alone (a spec that hides nothing), then its derivative from the
+            // capped value `cap·t`, folded into `dP − delta`.
+            let only = ScoreSpec {
+                softcap: Some(cap),
+                ..ScoreSpec::new(j0 + n)
+            };
+            only.apply_row::<S>(0, j0, s, 1.0);
+            if deriv {
+                let inv = 1.0 / cap;
+                let (iv, one, dv) = (S::splat(inv), S::splat(1.0), S::splat(delta));
+                for c in (0..full).step_by(S::W) {
+                    let (ps, pd) = (s.as_ptr().add(c), dp.as_mut_ptr().add(c));
+                    let t = S::mul(S::load(ps), iv);
+                    let g = S::sub(one, S::mul(t, t));
+                    S::store(pd, S::mul(S::sub(S::load(pd), dv), g));
+                }
+                for c in full..n {
+                    let t = s[c] * inv;
+                    dp[c] = (dp[c] - delta) * (1.0 - t * t);
+                }
+                delta = 0.0;
+            }
+            rest.softcap = None;
+        }
+        rest.apply_row::<S>(r, j0, s, 1.0);
         let (lv, dv) = (S::splat(lse), S::splat(delta));
         for c in (0..full).step_by(S::W) {
             let (ps, pd) = (s.as_mut_ptr().add(c), dp.as_mut_ptr().add(c));

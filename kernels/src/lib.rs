@@ -118,7 +118,7 @@ isa_fn!(softmax_isa(x: &mut [f32], sink: f32) => flash::softmax);
 isa_fn!(apply_row_isa(spec: &ScoreSpec, r: usize, j0: usize, x: &mut [f32], u: f32) => score::apply_row);
 isa_fn!(exp_scale_isa(x: &mut [f32], m: f32, k: f32) => flash::exp_scale);
 isa_fn!(probs_and_ds_isa(spec: &ScoreSpec, r: usize, j0: usize, scale: f32, lse: f32, delta: f32, s: &mut [f32],
-    dp: &mut [f32]) => grad::probs_and_ds);
+    dp: &mut [f32], deriv: bool) => grad::probs_and_ds);
 isa_fn!(block_isa<A: Elem, B: Elem>(m: usize, nvec: usize, kc: usize, chain: usize, a: *const A, rsa: usize, csa: usize, b: *const B,
     ldb: usize, c: *mut f32, ldc: usize, acc: Accum) => gemm::block);
 
@@ -363,9 +363,9 @@ pub unsafe fn apply_scores(isa: Isa, spec: &ScoreSpec, r: usize, j0: usize, x: &
 
 /// The backward pass's element-wise step for row `r` of a score tile, keys `j0 + [0, s.len())`:
 /// the raw scores `s` (`q·k`) become the forward's weights `p = exp(spec(scale·s) − lse)`, and
-/// `dp` (`dO·vᵀ`) becomes `dS = p·(dp − delta)` (`delta = rowsum(dO ∘ O)`). A key the spec
-/// hides gets `p = 0`, `dS = 0`. Softcap's derivative is not applied: the caller multiplies it
-/// in.
+/// `dp` (`dO·vᵀ`) becomes `dS = p·(dp − delta)` (`delta = rowsum(dO ∘ O)`), times the softcap's
+/// derivative `1 − tanh²(scale·s/cap)` when `deriv` (without it, the gradient by the logit, what
+/// a bias gets). A key the spec hides gets `p = 0` and `dS = 0` (for finite `dp`).
 ///
 /// # Panics
 /// If `isa` is not supported by this CPU, or `dp` is shorter than `s`.
@@ -380,11 +380,12 @@ pub unsafe fn probs_and_ds(
     (scale, lse, delta): (f32, f32, f32),
     s: &mut [f32],
     dp: &mut [f32],
+    deriv: bool,
 ) {
     assert!(isa.is_supported(), "{isa} is not supported on this CPU");
     assert!(dp.len() >= s.len(), "dp shorter than s");
     // SAFETY: forwarded contract; the ISA is supported and `dp` long enough (asserted).
-    unsafe { probs_and_ds_isa(isa, spec, r, j0, scale, lse, delta, s, dp) }
+    unsafe { probs_and_ds_isa(isa, spec, r, j0, scale, lse, delta, s, dp, deriv) }
 }
 
 /// `C[m × n] = A[m × k] · B[k × n]` (row-major, leading dimensions `lda`, `ldb`, `ldc`) through

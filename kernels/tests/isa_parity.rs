@@ -658,8 +658,9 @@ fn tile_gemm_matches_f64() {
 }
 
 /// `probs_and_ds` (the backward's step on a tile row): weights `exp(rule(scale·s) − lse)` and
-/// `dS = p·(dP − delta)` against f64, over row lengths around the vector widths, visible ranges
-/// that cut the row on either side, and ALiBi; hidden keys get exactly zero.
+/// `dS = p·(dP − delta)` (times the softcap's derivative, or not) against f64, over row lengths
+/// around the vector widths, visible ranges that cut the row on either side, ALiBi and softcap;
+/// hidden keys get exactly zero.
 #[test]
 fn probs_and_ds_matches_f64() {
     let mut rng = SmallRng::seed_from_u64(47);
@@ -669,28 +670,43 @@ fn probs_and_ds_matches_f64() {
                 if lo >= hi {
                     continue;
                 }
-                for alibi in [None, Some(0.375f32)] {
+                for (alibi, softcap, deriv) in [
+                    (None, None, true),
+                    (Some(0.375f32), None, true),
+                    (None, Some(2.5f32), true),
+                    (Some(0.375), Some(2.5), false),
+                ] {
                     let j0 = 5;
                     let spec = ScoreSpec {
                         alibi: alibi.map(|slope| Alibi { slope, offset: 2 }),
+                        softcap,
                         ..range_spec(j0 + lo, j0 + hi, j0 + n)
                     };
-                    let s: Vec<f32> = (0..n).map(|_| rng.gen_range(-4.0..4.0)).collect();
+                    let s: Vec<f32> = (0..n).map(|_| rng.gen_range(-8.0..8.0)).collect();
                     let dp: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
                     let (scale, delta) = (0.35f32, rng.gen_range(-0.5f32..0.5));
-                    // The logits in f64 (−inf where hidden), and the lse of the visible ones.
-                    let logit: Vec<f64> = (0..n)
+                    // The logits in f64 (−inf where hidden) with the softcap's derivative, and
+                    // the lse of the visible ones.
+                    let logit: Vec<(f64, f64)> = (0..n)
                         .map(|c| {
                             if c < lo || c >= hi {
-                                return f64::NEG_INFINITY;
+                                return (f64::NEG_INFINITY, 0.0);
                             }
+                            let x = scale as f64 * s[c] as f64;
+                            let (x, g) = match softcap {
+                                Some(cap) => {
+                                    let t = (x / cap as f64).tanh();
+                                    (cap as f64 * t, 1.0 - t * t)
+                                }
+                                None => (x, 1.0),
+                            };
                             let a =
                                 alibi.map_or(0.0, |sl| sl as f64 * (2.0 - (j0 + c) as f64).abs());
-                            scale as f64 * s[c] as f64 - a
+                            (x - a, if deriv { g } else { 1.0 })
                         })
                         .collect();
-                    let mx = logit.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let sum: f64 = logit.iter().map(|&x| (x - mx).exp()).sum();
+                    let mx = logit.iter().map(|l| l.0).fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = logit.iter().map(|&(x, _)| (x - mx).exp()).sum();
                     let lse = (mx + sum.ln()) as f32;
                     let (mut p, mut ds) = (s.clone(), dp.clone());
                     // SAFETY: the spec has no bias or mask.
@@ -703,17 +719,22 @@ fn probs_and_ds_matches_f64() {
                             (scale, lse, delta),
                             &mut p,
                             &mut ds,
+                            deriv,
                         )
                     };
                     for c in 0..n {
-                        let ctx = format!("{isa} n={n} [{lo},{hi}) alibi={alibi:?} key {c}");
+                        let ctx = format!(
+                            "{isa} n={n} [{lo},{hi}) alibi={alibi:?} softcap={softcap:?} \
+                             deriv={deriv} key {c}"
+                        );
                         if c < lo || c >= hi {
                             assert!(p[c] == 0.0 && ds[c] == 0.0, "{ctx}: hidden key not zero");
                             continue;
                         }
-                        let want_p = (logit[c] - lse as f64).exp();
-                        let want_ds = want_p * (dp[c] as f64 - delta as f64);
-                        let rel = 1e-6 * (1.0 + logit[c].abs() + (lse as f64).abs());
+                        let (x, g) = logit[c];
+                        let want_p = (x - lse as f64).exp();
+                        let want_ds = want_p * (dp[c] as f64 - delta as f64) * g;
+                        let rel = 1e-6 * (1.0 + x.abs() + (lse as f64).abs());
                         assert!(
                             (p[c] as f64 - want_p).abs() <= rel * want_p,
                             "{ctx}: p {} vs {want_p}",
