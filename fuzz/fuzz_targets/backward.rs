@@ -92,7 +92,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
         // no gradient exists, and the backward refuses it (fully masked rows are accepted:
         // tests/backward.rs).
         Err(attnkit::AttnError::BadParam { arg: "lse", .. })
-            if lse.iter().any(|l| *l == f32::NEG_INFINITY) =>
+            if lse.contains(&f32::NEG_INFINITY) =>
         {
             return Ok(());
         }
