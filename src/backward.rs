@@ -835,8 +835,9 @@ impl<'p> Bwd<'p> {
                             self.pack_block(b, hk, kb, &mut kv);
                             packed = Some((b, hk, kb));
                         }
-                        // SAFETY: indices in range; the tiles hold BLOCK² ≥ m·n values.
-                        unsafe { self.tile(b, h, (i0, m), (j0, n), &kv, delta, p, ds, false) };
+                        // SAFETY: indices in range; the tiles hold BLOCK² ≥ m·n values. `raw`: the
+                        // bias is added after the softcap, so its gradient is dS by the logit.
+                        unsafe { self.tile(b, h, (i0, m), (j0, n), &kv, delta, p, ds, true) };
                         for r in 0..m {
                             let row = if bs[2] == 1 { 0 } else { i0 + r };
                             let at = ((ib * bs[1] + ih) * bs[2] + row) * s.lk + j0;

@@ -757,6 +757,7 @@ fn bias_gradient_matches_the_reference() {
         let opts = SdpaOptions::new()
             .causal(Causal::BottomRightAtLk)
             .key_lengths(&lens)
+            .softcap(3.0)
             .bias(MaskRef::new(&bias, bs));
         let p = Problem {
             dims,
@@ -769,7 +770,7 @@ fn bias_gradient_matches_the_reference() {
             mask: RefMask::Bias(&bias, bs),
             key_lengths: Some(&lens),
             alibi: None,
-            softcap: None,
+            softcap: Some(3.0),
             sinks: None,
         };
         let r = reference(&p);
