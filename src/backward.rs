@@ -114,7 +114,8 @@ pub struct Gradients {
 /// `out`, `dout`, `dq`, `dk` or `dv` does not have its input's shape, [`AttnError::BufferLength`]
 /// for `lse`, [`AttnError::BadParam`] for an `lse` entry that is NaN or +inf, or −inf on a row
 /// that sees a key (a fully masked row's is −inf, and its gradients are zero); overlapping rows
-/// of a gradient ([`AttnError::BadStride`]); [`AttnError::Alloc`] when the per-task scratch cannot be allocated (the gradients are then
+/// of a gradient ([`AttnError::BadStride`]); [`AttnError::Alloc`] when the per-task scratch or
+/// the widened copies of 16-bit inputs cannot be allocated (the gradients are then
 /// unspecified).
 pub fn sdpa_backward<E: Elem>(
     saved: &Saved<E>,
@@ -285,7 +286,7 @@ impl<'a> Wide<'a> {
         if buf.len() < total {
             // Free the old one first, so the peak is the new size only.
             drop(buf);
-            buf = try_zeros("dout", total)?;
+            buf = try_zeros("saved", total)?;
         }
         let mut rest = &mut buf[..];
         for (arg, t) in args {
@@ -710,8 +711,8 @@ impl<'p> Bwd<'p> {
 
     /// Builds [`Packed`] from the validated views.
     fn pack(&self) -> Result<Packed> {
-        let s = self.plan.shape;
         let pl = self.plan;
+        let s = pl.shape;
         // A lane-padded dense copy of the `(B, H, L, width)` rows of a view at `base`, strides
         // `st`.
         let padded = |arg: &'static str,
@@ -1119,8 +1120,8 @@ impl<'p> Bwd<'p> {
                     // SAFETY: indices in range; the tiles hold BLOCK² values.
                     unsafe { self.tile(b, h, (i0, m), (j0, n), &kv, delta, p, ds, false) };
                     // SAFETY: Pᵀ and dSᵀ read by broadcast through swapped strides (n keys × m
-                    // queries of the tiles), dO and Q rows lane-padded, the accumulators `n` rows of
-                    // `Dvp` / `Dp`.
+                    // queries of the tiles), dO and Q rows lane-padded, the accumulators `n`
+                    // rows of `Dvp` / `Dp`.
                     unsafe {
                         let (dout, ldo) = self.rows_q(b, h, i0, true);
                         let (q, ldq) = self.rows_q(b, h, i0, false);
