@@ -403,7 +403,7 @@ unsafe fn decode_rows<
     const KM: bool,
     const RG: usize,
     const NC: usize,
-    const PF: usize,
+    const PF: bool,
 >(
     a: &DecodeArgs<Q, KV>,
     partial: *mut f32,
@@ -680,7 +680,7 @@ unsafe fn scores<
     const R: usize,
     const KEYS: usize,
     const KM: bool,
-    const PF: usize,
+    const PF: bool,
 >(
     a: &DecodeArgs<Q, KV>,
     q: *const f32,
@@ -696,6 +696,13 @@ unsafe fn scores<
     let dfull = d / w * w;
     let dp = d.div_ceil(w) * w;
     let mut sums = [0.0f32; 16];
+    // The prefetch distance in f32 keys (narrower K/V: the same bytes ahead); `decode` resolved
+    // the walk.
+    let dist = if a.walk == DecodeWalk::Prefetch {
+        PF_PREFETCH
+    } else {
+        PF_STREAMS
+    };
     // SAFETY: every access stays within the extents of the contract.
     unsafe {
         let mut run = a.run(jb + k0);
@@ -721,10 +728,10 @@ unsafe fn scores<
                 dots_key_major::<S, KV, R, KEYS>(kp, q, dp, d2, dfull)
             } else {
                 // Walking KEYS rows side by side hides K from the hardware prefetchers, so the
-                // K and V rows PF keys ahead are requested explicitly (PF = 0: none, for one-key
-                // groups on cores whose prefetchers follow them alone).
-                let jp = jb + jj + PF * 4 / core::mem::size_of::<KV>();
-                let npf = if PF > 0 && jp < a.j_end {
+                // K and V rows `dist` keys on are requested explicitly (not PF: none, for
+                // one-key groups on cores whose prefetchers follow them alone).
+                let jp = jb + jj + dist * 4 / core::mem::size_of::<KV>();
+                let npf = if PF && jp < a.j_end {
                     KEYS.min(a.j_end - jp)
                 } else {
                     0
@@ -1108,7 +1115,7 @@ struct Rows<
     const KM: bool,
     const RG: usize,
     const NC: usize,
-    const PF: usize,
+    const PF: bool,
 > {
     a: &'s DecodeArgs<'a, Q, KV>,
     partial: *mut f32,
@@ -1125,7 +1132,7 @@ impl<
         const KM: bool,
         const RG: usize,
         const NC: usize,
-        const PF: usize,
+        const PF: bool,
     > Body<S> for Rows<'_, '_, Q, KV, R, KEYS, KM, RG, NC, PF>
 {
     #[inline(always)]
@@ -1158,6 +1165,7 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
         let n = DECODE_MAX_ROWS.min(a.rows.len() - r0);
         let sub = DecodeArgs {
             rows: &a.rows[r0..r0 + n],
+            walk: a.walk.resolve(),
             ..*a
         };
         // SAFETY: forwarded contract; the row subset and its partial rows stay in bounds.
@@ -1166,7 +1174,7 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
             // Pages end the streams the hardware prefetchers follow (every 8 KiB of f32 K at
             // page 16), so a paged cache takes the software-prefetch walk on every core (Zen 4,
             // f32, page 16: 0.49–0.67 of the contiguous cache on the key-major walk).
-            let streams = sub.walk.resolve() == DecodeWalk::Streams && sub.pages.is_contiguous();
+            let streams = sub.walk == DecodeWalk::Streams && sub.pages.is_contiguous();
             macro_rules! run {
                 // The lane count in a `const` block: each ISA compiles only its own variants.
                 ($r:literal, $s16:tt, $p16:tt, $s8:tt, $p8:tt) => {
@@ -1182,8 +1190,8 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
                         run!(@ $r, $p8)
                     }
                 };
-                (@ $r:literal, ($k:literal, $km:literal, $rg:literal, $nc:literal, $pf:expr)) => {
-                    S::isolate(Rows::<Q, KV, $r, $k, $km, $rg, $nc, { $pf }> {
+                (@ $r:literal, ($k:literal, $km:literal, $rg:literal, $nc:literal, $pf:literal)) => {
+                    S::isolate(Rows::<Q, KV, $r, $k, $km, $rg, $nc, $pf> {
                         a: &sub,
                         partial: p,
                         ldp,
@@ -1191,9 +1199,7 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
                     })
                 };
             }
-            const S: usize = PF_STREAMS;
-            const P: usize = PF_PREFETCH;
-            // (KEYS, key-major walk, RG, NC, prefetch distance) per walk, for W = 16 (32
+            // (KEYS, key-major walk, RG, NC, software prefetch) per walk, for W = 16 (32
             // registers) and W = 8 (16): KEYS keys per score group (R·KEYS ≤ W accumulators);
             // P·V in passes of RG rows × NC lane chunks (RG·NC accumulators).
             //
@@ -1210,74 +1216,74 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
                 // 8 keys, so one reduction serves 8 scores and 8 FMA chains run side by side.
                 1 if const { narrow::<KV>() } => run!(
                     1,
-                    (8, false, 1, 8, P),
-                    (8, false, 1, 8, P),
-                    (8, false, 1, 8, P),
-                    (8, false, 1, 8, P)
+                    (8, false, 1, 8, true),
+                    (8, false, 1, 8, true),
+                    (8, false, 1, 8, true),
+                    (8, false, 1, 8, true)
                 ),
                 1 => run!(
                     1,
-                    (1, false, 1, 8, 0),
-                    (1, false, 1, 8, P),
-                    (1, false, 1, 8, 0),
-                    (1, false, 1, 8, P)
+                    (1, false, 1, 8, false),
+                    (1, false, 1, 8, true),
+                    (1, false, 1, 8, false),
+                    (1, false, 1, 8, true)
                 ),
                 2 => run!(
                     2,
-                    (8, true, 2, 8, 0),
-                    (4, false, 2, 8, P),
-                    (4, false, 2, 6, S),
-                    (4, false, 2, 6, P)
+                    (8, true, 2, 8, false),
+                    (4, false, 2, 8, true),
+                    (4, false, 2, 6, true),
+                    (4, false, 2, 6, true)
                 ),
                 3 => run!(
                     3,
-                    (4, true, 3, 8, 0),
-                    (4, false, 3, 8, P),
-                    (2, false, 3, 4, S),
-                    (2, false, 3, 4, P)
+                    (4, true, 3, 8, false),
+                    (4, false, 3, 8, true),
+                    (2, false, 3, 4, true),
+                    (2, false, 3, 4, true)
                 ),
                 // Narrow V: all four rows in one P·V pass, so each V chunk is widened once.
                 4 if const { narrow::<KV>() } => run!(
                     4,
-                    (4, false, 4, 4, P),
-                    (4, false, 4, 4, P),
-                    (2, false, 4, 2, S),
-                    (2, false, 4, 2, P)
+                    (4, false, 4, 4, true),
+                    (4, false, 4, 4, true),
+                    (2, false, 4, 2, true),
+                    (2, false, 4, 2, true)
                 ),
                 4 => run!(
                     4,
-                    (4, true, 2, 8, 0),
-                    (4, false, 2, 8, P),
-                    (2, false, 4, 2, S),
-                    (2, false, 4, 2, P)
+                    (4, true, 2, 8, false),
+                    (4, false, 2, 8, true),
+                    (2, false, 4, 2, true),
+                    (2, false, 4, 2, true)
                 ),
                 5 => run!(
                     5,
-                    (3, false, 5, 4, S),
-                    (3, false, 5, 4, P),
-                    (1, false, 5, 2, S),
-                    (1, false, 5, 2, P)
+                    (3, false, 5, 4, true),
+                    (3, false, 5, 4, true),
+                    (1, false, 5, 2, true),
+                    (1, false, 5, 2, true)
                 ),
                 6 => run!(
                     6,
-                    (2, true, 3, 8, 0),
-                    (2, false, 3, 8, P),
-                    (1, false, 6, 1, S),
-                    (1, false, 6, 1, P)
+                    (2, true, 3, 8, false),
+                    (2, false, 3, 8, true),
+                    (1, false, 6, 1, true),
+                    (1, false, 6, 1, true)
                 ),
                 7 => run!(
                     7,
-                    (2, false, 7, 3, S),
-                    (2, false, 7, 3, P),
-                    (1, false, 7, 1, S),
-                    (1, false, 7, 1, P)
+                    (2, false, 7, 3, true),
+                    (2, false, 7, 3, true),
+                    (1, false, 7, 1, true),
+                    (1, false, 7, 1, true)
                 ),
                 _ => run!(
                     8,
-                    (2, false, 8, 2, S),
-                    (2, false, 8, 2, P),
-                    (1, false, 8, 1, S),
-                    (1, false, 8, 1, P)
+                    (2, false, 8, 2, true),
+                    (2, false, 8, 2, true),
+                    (1, false, 8, 1, true),
+                    (1, false, 8, 1, true)
                 ),
             }
         }
