@@ -35,10 +35,10 @@ pub const DECODE_KEY_BLOCK: usize = 32;
 /// walks".
 const SUB_KEYS: usize = 8;
 /// Software prefetch distance of the chunk-major walk, in f32 keys (narrower K/V prefetch the
-/// same bytes ahead: `4 / size` times the keys), under [`DecodeWalk::Streams`]:
-/// the best measured on the Zen 4 VM (18.9 GB/s, Hkv = 8, Lk 32768, one thread); see
-/// docs/tuning-log.md, "Decode walks".
-const PF_STREAMS: usize = 12;
+/// same bytes ahead: `4 / size` times the keys), under [`DecodeWalk::Streams`]: 3 KiB of each
+/// f32 K and V stream at D = 128. The best of 3–24 on the Zen 4 VM, or level with the best, for
+/// every cache type, contiguous and paged; see docs/tuning-log.md, "Decode walks".
+const PF_STREAMS: usize = 6;
 /// The same under [`DecodeWalk::Prefetch`]: the best measured on the Xeon (one-row groups:
 /// 1.38 of a plain read of K and V); see docs/tuning-log.md, "Decode walks".
 const PF_PREFETCH: usize = 24;
