@@ -1214,6 +1214,16 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
             match n {
                 // Narrow K and V (16 or 8 bits) make a one-row group compute-bound: groups of
                 // 8 keys, so one reduction serves 8 scores and 8 FMA chains run side by side.
+                // 16-bit rows at W = 16 under `Streams` walk them key-major (Zen 4, Hkv = Hq =
+                // 32, Lk 8192, cold: bf16 9.5–9.8 → 5.9–6.7 ms, f16 8.9–11.0 → 6.2–9.6); int8
+                // rows (128 bytes at D = 128) ran slower so (5.6–6.0 → 10.3).
+                1 if const { narrow::<KV>() && !int8::<KV>() } => run!(
+                    1,
+                    (8, true, 1, 8, false),
+                    (8, false, 1, 8, true),
+                    (8, false, 1, 8, true),
+                    (8, false, 1, 8, true)
+                ),
                 1 if const { narrow::<KV>() } => run!(
                     1,
                     (8, false, 1, 8, true),
