@@ -9,7 +9,7 @@
 //! How K and V are walked decides the speed, since the hardware prefetchers follow only simple
 //! streams, and what pays differs between cores ([`DecodeWalk`]: on Zen 4 plain streams, on the
 //! Xeon software prefetch for every group). Two walks are used, chosen per (R, vector width,
-//! [`DecodeWalk`]) by measurement:
+//! K/V width, [`DecodeWalk`]) by measurement:
 //! - *key-major*: each K row and each V row is read start to end, and K and V advance together
 //!   in sub-blocks of 8 keys (see [`decode_rows`]); no software prefetch;
 //! - *chunk-major*: a lane chunk of KEYS rows at a time, so each Q chunk load serves KEYS keys
