@@ -1224,7 +1224,7 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
                     (8, false, 1, 8, true),
                     (8, false, 1, 8, true)
                 ),
-                1 if const { narrow::<KV>() } => run!(
+                1 if const { int8::<KV>() } => run!(
                     1,
                     (8, false, 1, 8, true),
                     (8, false, 1, 8, true),

@@ -22,7 +22,7 @@ pub(crate) unsafe fn probs_and_ds<S: SimdDiv>(
     j0: usize,
     scale: f32,
     lse: f32,
-    delta: f32,
+    mut delta: f32,
     s: &mut [f32],
     dp: &mut [f32],
     deriv: bool,
@@ -30,7 +30,6 @@ pub(crate) unsafe fn probs_and_ds<S: SimdDiv>(
     let n = s.len();
     let dp = &mut dp[..n];
     let full = n / S::W * S::W;
-    let mut delta = delta;
     // SAFETY: vector accesses below `full`, a lane multiple of both slices; the tail goes
     // through W-long stack buffers; the spec's rows per the contract.
     unsafe {
