@@ -106,7 +106,9 @@ impl Logical {
             d,
             dv,
             k: (0..n * d).map(|_| byte(rng)).collect(),
-            v: (0..n * dv).map(|_| rng.gen_range(-127..=127i32) as i8).collect(),
+            v: (0..n * dv)
+                .map(|_| rng.gen_range(-127..=127i32) as i8)
+                .collect(),
             ks: (0..n).map(|_| scale(rng)).collect(),
             vs: (0..n).map(|_| scale(rng)).collect(),
         }
@@ -251,10 +253,17 @@ fn int8_decode_matches_f64_on_dequantised_values() {
             let dims = (n, d, dv);
             let (out, lse) = run(isa, &contiguous, &rows, dims, chunks, walk);
             let (pout, plse) = run(isa, &paged, &rows, dims, chunks, walk);
-            let ctx = format!("{isa} {walk:?} case {case}: rows={rows_n} n={n} d={d} dv={dv} chunks={chunks}");
+            let ctx = format!(
+                "{isa} {walk:?} case {case}: rows={rows_n} n={n} d={d} dv={dv} chunks={chunks}"
+            );
             assert!(
-                out.iter().zip(&pout).all(|(a, b)| a.to_bits() == b.to_bits())
-                    && lse.iter().zip(&plse).all(|(a, b)| a.to_bits() == b.to_bits()),
+                out.iter()
+                    .zip(&pout)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                    && lse
+                        .iter()
+                        .zip(&plse)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{ctx}: paged differs from contiguous: {out:?} {pout:?} {lse:?} {plse:?}"
             );
             let scale = 1.0 / (d as f64).sqrt();
