@@ -1260,6 +1260,13 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
                     (2, false, 4, 2, true),
                     (2, false, 4, 2, true)
                 ),
+                // A paged f32 cache under `Streams` (Zen 4): two keys a group.
+                4 if const { S::W == 16 && !narrow::<KV>() }
+                    && sub.walk == DecodeWalk::Streams
+                    && !streams =>
+                {
+                    run!(@ 4, (2, false, 2, 8, true))
+                }
                 4 => run!(
                     4,
                     (4, true, 2, 8, false),
