@@ -28,6 +28,11 @@ pub(crate) fn try_with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -
             *buf = Vec::new();
             *buf = try_zeros("scratch", len)?;
         }
+        // Debug builds (the sanitizer stage's tests) hand out NaN, so a kernel that read
+        // scratch it had not written, or a result left unwritten, cannot pass on what a
+        // previous call left there.
+        #[cfg(debug_assertions)]
+        buf[..len].fill(f32::NAN);
         Ok(f(&mut buf[..len]))
     })
 }
