@@ -53,7 +53,8 @@ pub enum DecodeWalk {
     /// several rows side by side defeat the hardware prefetchers (5, 7, 8-row groups). Measured
     /// best on Zen 4 (software prefetch slowed plain streams by 20–30 %); see
     /// docs/tuning-log.md, "Decode walks". Contiguous caches only: a paged cache takes
-    /// [`DecodeWalk::Prefetch`]'s walk, as its pages break the streams.
+    /// [`DecodeWalk::Prefetch`]'s walk, as its pages break the streams (with one group shape of
+    /// its own: f32 four-row groups score two keys at a time).
     Streams,
     /// Every group prefetches the K and V rows 24 keys ahead in software. Measured best on the
     /// Xeon (Sapphire Rapids class; four-row groups 0.80 → 1.08–1.10 of a plain read of K and
@@ -1260,7 +1261,9 @@ pub(crate) unsafe fn decode<S: SimdDiv, Q: Elem, KV: Stored>(
                     (2, false, 4, 2, true),
                     (2, false, 4, 2, true)
                 ),
-                // A paged f32 cache under `Streams` (Zen 4): two keys a group.
+                // A paged f32 cache under `Streams`: two keys a group, not the Xeon's four
+                // (Zen 4, Hkv 8, Lk 8192, page 16: 5.18 → 4.75 ms, medians of 6; page 128
+                // level).
                 4 if const { S::W == 16 && !narrow::<KV>() }
                     && sub.walk == DecodeWalk::Streams
                     && !streams =>
