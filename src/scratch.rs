@@ -30,8 +30,9 @@ pub(crate) fn try_with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -
         }
         // Debug builds (the sanitizer stage's tests) hand out NaN, so a kernel that read
         // scratch it had not written, or a result left unwritten, cannot pass on what a
-        // previous call left there.
-        #[cfg(debug_assertions)]
+        // previous call left there. Not under Miri: the fill took its stage 390 → 585 s, and
+        // the memory is initialised either way.
+        #[cfg(all(debug_assertions, not(miri)))]
         buf[..len].fill(f32::NAN);
         Ok(f(&mut buf[..len]))
     })
