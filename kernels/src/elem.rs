@@ -160,8 +160,8 @@ impl Stored for i8 {
 }
 
 /// `x` rounded to the nearest integer, ties to even, for `|x| < 2²²` (±inf and NaN pass
-/// through as they are); `f32::round_ties_even` without SSE4.1 is a libm call per value, and
-/// this loop vectorises. Adding 1.5·2²³ moves `x` to where the f32 spacing is 1, so the
+/// through as they are); `f32::round_ties_even` without SSE4.1 is a libm call per value, this
+/// is two additions. Adding 1.5·2²³ moves `x` to where the f32 spacing is 1, so the
 /// addition itself rounds (to nearest even, the default mode); subtracting it back is exact.
 #[inline(always)]
 fn round_small(x: f32) -> f32 {
