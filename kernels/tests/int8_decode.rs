@@ -4,15 +4,15 @@
 //! not finite propagates alike on every ISA.
 
 use attnkit_kernels::{
-    decode_partial_as, decode_scratch_len, merge_partials, partial_len, reference, Alibi,
-    DecodeArgs, DecodeRow, DecodeWalk, Isa, KvPages, ScoreSpec,
+    decode_partial_as, decode_scratch_len, merge_partials, partial_len, reference, DecodeArgs,
+    DecodeRow, DecodeWalk, Isa, KvPages, ScoreSpec,
 };
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::isas;
+use common::{decode_spec, isas};
 
 /// `n` logical int8 rows of K (`d`) and V (`dv`) with their scales, laid out contiguously
 /// (padded rows) or in shuffled pages of `2^shift` rows.
@@ -172,15 +172,6 @@ fn run(
     (out, lse)
 }
 
-/// A spec whose row sees exactly keys `[lo, hi)` of `n`.
-fn range_spec(lo: usize, hi: usize, n: usize) -> ScoreSpec {
-    ScoreSpec {
-        causal: Some(hi as isize - 1),
-        window: (lo > 0).then_some(hi - lo),
-        ..ScoreSpec::new(n)
-    }
-}
-
 #[test]
 fn int8_decode_matches_f64_on_dequantised_values() {
     let mut rng = SmallRng::seed_from_u64(21);
@@ -217,29 +208,14 @@ fn int8_decode_matches_f64_on_dequantised_values() {
             let (use_bias, use_mask) = (case % 4 == 1, case % 5 == 2);
             let rows: Vec<DecodeRow> = (0..rows_n)
                 .map(|r| {
-                    let hi = if case % 3 == 0 {
-                        n
-                    } else {
-                        rng.gen_range(0..=n)
-                    };
-                    let lo = if case % 6 == 5 {
-                        rng.gen_range(0..=hi)
-                    } else {
-                        0
-                    };
-                    let mut spec = range_spec(lo, hi, n);
-                    if use_bias {
-                        spec.bias = bias[r * n..].as_ptr();
-                    }
-                    if use_mask {
-                        spec.mask = mask[r * n..].as_ptr().cast::<u8>();
-                    }
-                    spec.softcap = (case % 8 == 3).then(|| rng.gen_range(0.5..3.0f32));
-                    spec.alibi = (case % 9 == 2).then(|| Alibi {
-                        slope: rng.gen_range(-0.2..0.5f32),
-                        offset: rng.gen_range(-3..(n as isize + 3)),
-                    });
-                    spec.sink = (case % 5 == 4).then(|| rng.gen_range(-3.0..3.0f32));
+                    let spec = decode_spec(
+                        &mut rng,
+                        case,
+                        n,
+                        use_bias.then(|| &bias[r * n..]),
+                        use_mask.then(|| &mask[r * n..]),
+                        case % 9 == 2,
+                    );
                     DecodeRow {
                         q: q[r * d..].as_ptr(),
                         spec,

@@ -8,7 +8,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::isas;
+use common::{decode_spec, isas, range_spec};
 
 fn ulps(a: f32, b: f64) -> f64 {
     let ulp = (b.abs() as f32).max(f32::MIN_POSITIVE);
@@ -325,29 +325,14 @@ fn decode_partials_merge_to_reference() {
             let (use_bias, use_mask) = (case % 4 == 1, case % 5 == 2);
             let rows: Vec<DecodeRow> = (0..rows_n)
                 .map(|r| {
-                    let hi = if case % 3 == 0 {
-                        n
-                    } else {
-                        rng.gen_range(0..=n)
-                    };
-                    let lo = if case % 6 == 5 {
-                        rng.gen_range(0..=hi)
-                    } else {
-                        0
-                    };
-                    let mut spec = range_spec(lo, hi, n);
-                    if use_bias {
-                        spec.bias = bias[r * n..].as_ptr();
-                    }
-                    if use_mask {
-                        spec.mask = mask[r * n..].as_ptr().cast::<u8>();
-                    }
-                    spec.softcap = (case % 8 == 3).then(|| rng.gen_range(0.5..3.0f32));
-                    spec.alibi = (case % 9 == 2 || case % 9 == 7).then(|| Alibi {
-                        slope: rng.gen_range(-0.2..0.5f32),
-                        offset: rng.gen_range(-3..(n as isize + 3)),
-                    });
-                    spec.sink = (case % 5 == 4).then(|| rng.gen_range(-3.0..3.0f32));
+                    let spec = decode_spec(
+                        &mut rng,
+                        case,
+                        n,
+                        use_bias.then(|| &bias[r * n..]),
+                        use_mask.then(|| &mask[r * n..]),
+                        case % 9 == 2 || case % 9 == 7,
+                    );
                     DecodeRow {
                         q: q[r * d..].as_ptr(),
                         spec,
@@ -505,16 +490,6 @@ fn decode_split_counts_agree_with_unsplit() {
                 );
             }
         }
-    }
-}
-
-/// A spec whose one row sees exactly keys `[lo, hi)` of `n` (a causal diagonal at `hi` and a
-/// window of `hi − lo`).
-fn range_spec(lo: usize, hi: usize, n: usize) -> ScoreSpec {
-    ScoreSpec {
-        causal: Some(hi as isize - 1),
-        window: (lo > 0).then_some(hi - lo),
-        ..ScoreSpec::new(n)
     }
 }
 
